@@ -1,0 +1,31 @@
+# `make train` and `make test` each create .venv with a Python 3.12 found on this machine
+# (PATH first, then pyenv's versions folder), install k3jax into it, then run.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+
+PYTHON312 := $(shell command -v python3.12 2>/dev/null || \
+  ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1)
+
+.PHONY: train test venv clean
+
+$(VENV)/.installed: setup.py constraints.txt
+	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12 on PATH or under pyenv's versions folder" >&2; exit 1; fi
+	@echo "Using $(PYTHON312)"
+	@[ -x $(PY) ] || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(PY) -m experiments.train $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 -rs tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""k3jax.models."""

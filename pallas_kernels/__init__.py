@@ -1,0 +1,1 @@
+"""Pallas kernels for k3jax. Never imports k3jax (one-way dependency)."""

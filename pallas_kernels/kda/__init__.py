@@ -1,0 +1,1 @@
+"""Pallas KDA kernels."""
