@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-PYTHON312 := $(shell command -v python3.12 2>/dev/null || \
-  ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1)
+# First python3.12 / python3 on PATH that really is 3.12 (pyenv shims can exist but fail), then pyenv's
+# versions folder. Override with `make test PYTHON312=/path/to/python3.12`.
+PYTHON312 ?= $(shell for c in python3.12 python3 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do \
+  if $$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then command -v $$c; break; fi; done)
 
 .PHONY: train test venv clean
 
