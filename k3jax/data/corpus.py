@@ -1,0 +1,468 @@
+"""Corpora as one flat stream of byte-tokenizer ids, cached as uint16 memmaps.
+
+`load_corpus(source, split)` returns a `Corpus` whose `tokens` is a read-only uint16 memmap of
+token ids (`k3jax.data.tokenizer`: bytes 0..255, EOS = 257). Sources:
+
+`python-stdlib` (the default)
+    Every `.py` file under the running interpreter's standard library
+    (`sysconfig.get_paths()["stdlib"]`), excluding `site-packages`/`dist-packages` and
+    `__pycache__`, read in sorted relative-path order (POSIX separators). One document per file,
+    its raw bytes followed by EOS. Files that are not valid UTF-8 (the stdlib ships a few encoding
+    test files) are skipped and listed in the manifest.
+
+`text:<glob>`
+    UTF-8 files matching `<glob>` (`~` expanded, `**` recursive). The document key used for the
+    split is the path relative to the glob's root (the leading path components without wildcards),
+    so moving the tree does not move files between splits. Non-UTF-8 files are skipped and listed.
+
+`tokens:<path>`
+    A pre-tokenised stream in the nanoGPT convention (flat little-endian uint16 ids, no header).
+    `<path>` is either a folder holding `train.bin` and `val.bin`, or a single `.bin` file whose
+    first `n - n // 100` tokens are train and last `n // 100` tokens are validation. The stream is
+    used as-is: no EOS is inserted, `num_documents` is the number of EOS ids in the split, and every
+    id must be < 259 (the byte vocabulary). Nothing is cached; the file is memory-mapped in place.
+    A k3jax cache folder is itself a valid `tokens:` folder.
+
+`hf:<dataset>[:<text_field>]`
+    A Hugging Face `datasets` dataset (optional dependency: `pip install k3jax[hf]`). `<dataset>` is
+    a folder written by `Dataset.save_to_disk`/`DatasetDict.save_to_disk` (read with
+    `datasets.load_from_disk`) or else a hub name (read with `datasets.load_dataset`, which needs
+    the network or a warm HF cache). `<text_field>` defaults to `"text"`. If the dataset has both
+    `"train"` and `"validation"` splits they are used; otherwise the `"train"` split (or the only
+    split, or a plain `Dataset`) is hash-split with the document key = the text itself (so
+    duplicate documents always land in the same split). Rows whose field is not a string are
+    skipped and counted.
+
+Split rule (all sources except `tokens:` and hf datasets with their own validation split): a
+document goes to validation iff `int.from_bytes(sha1(key)[:8], "big") % 100 == 0` (`hash_split`),
+about 1% of documents, independent of every other document. A corpus with fewer than ~100
+documents may therefore have an empty validation split (its `tokens` is then a length-0 array).
+
+Cache: `$K3JAX_CACHE` (default `~/.cache/k3jax`), or `cache_dir=`. One folder per corpus key
+(`python-stdlib-<implementation>-<python version>-<hash of the stdlib path>-f<format>`,
+`text-<hash of the resolved file list, sizes and mtimes>-f<format>`, `hf-<name>-<hash of name,
+field and dataset fingerprints>-f<format>`) holding `train.bin`, `val.bin` and `manifest.json`.
+A build is written to a temporary folder next to it and moved into place with `os.replace`, so
+a killed build never leaves a half-written cache (only a `.tmp-*` folder that is never read and
+may be deleted); a later load reuses the folder without reading the sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob as glob_lib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3jax.data.tokenizer import EOS_ID, VOCAB_SIZE
+
+SPLITS = ("train", "validation")
+SPLIT_FILES = {"train": "train.bin", "validation": "val.bin"}
+VALIDATION_MODULUS = 100
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.dtype("<u2")
+_CHUNK = 1 << 22  # tokens per chunk for streaming scans (8 MiB of uint16)
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_MAX_LISTED = 1000  # longest document list kept in a manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """One split of a corpus.
+
+    Attributes:
+      source: the source string given to `load_corpus`.
+      split: "train" or "validation".
+      tokens: read-only uint16 array [num_tokens] of token ids (a `np.memmap`, or a length-0
+        array when the split is empty): each document's bytes followed by EOS (257), except for
+        `tokens:` sources, which are used as stored.
+      manifest: the corpus manifest (for cached sources the parsed `manifest.json`); see
+        `load_corpus`.
+      num_documents: documents in this split (for `tokens:` sources: the number of EOS ids).
+    """
+
+    source: str
+    split: str
+    tokens: np.ndarray
+    manifest: dict[str, Any]
+    num_documents: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def default_cache_dir() -> Path:
+    """`$K3JAX_CACHE` if set and non-empty, else `~/.cache/k3jax` (read at call time)."""
+    env = os.environ.get("K3JAX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "k3jax"
+
+
+def hash_split(key: str) -> str:
+    """The split of the document with `key`: "validation" iff sha1(key)[:8] (big-endian) % 100 == 0.
+
+    Stable across machines, Python versions and runs (unlike `hash()`), and independent of every
+    other document, so adding or removing files never moves another file between splits.
+    """
+    digest = hashlib.sha1(key.encode("utf-8", errors="surrogateescape")).digest()
+    return "validation" if int.from_bytes(digest[:8], "big") % VALIDATION_MODULUS == 0 else "train"
+
+
+def unigram_entropy_bits(tokens) -> float:
+    """Unigram entropy of the byte ids of `tokens`, in bits per byte.
+
+    H = -sum_b p(b) log2 p(b) over byte ids b < 256, with p the empirical frequency among byte ids
+    only (EOS/BOS/PAD are not counted). This is the cross-entropy a model that ignores context
+    could reach on this stream, the baseline a language model's bits-per-byte must beat.
+
+    Args:
+      tokens: integer array-like [N] (e.g. `Corpus.tokens`); scanned in chunks, memmap-friendly.
+
+    Raises:
+      ValueError: `tokens` is not a 1-D integer array, or holds no byte ids.
+    """
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D integer array, got {arr.shape=} {arr.dtype=}")
+    counts = np.zeros(256, np.int64)
+    for start in range(0, arr.shape[0], _CHUNK):
+        chunk = np.asarray(arr[start:start + _CHUNK])
+        chunk = chunk[(chunk >= 0) & (chunk < 256)]
+        counts += np.bincount(chunk.astype(np.int64), minlength=256)
+    total = int(counts.sum())
+    if total == 0:
+        raise ValueError(f"tokens holds no byte ids (< 256); {arr.shape=}")
+    p = counts[counts > 0] / total
+    return float(-(p * np.log2(p)).sum())
+
+
+def load_corpus(source: str = "python-stdlib", split: str = "train", *,
+                cache_dir: str | os.PathLike | None = None) -> Corpus:
+    """Loads one split of a corpus, building and caching it on first use.
+
+    Args:
+      source: "python-stdlib", "text:<glob>", "tokens:<path>" or "hf:<dataset>[:<text_field>]"
+        (see the module docstring).
+      split: "train" or "validation".
+      cache_dir: cache root; default `default_cache_dir()`. Unused by `tokens:`.
+
+    Returns:
+      A `Corpus`. Its manifest for cached sources holds: format, source, key, tokenizer
+      ("byte"), vocab_size, eos_id, dtype ("<u2"), split_rule, and per split (`splits[name]`)
+      file, num_documents, num_bytes (document bytes), num_tokens (bytes + one EOS per
+      document), sha256 (of the split's token file); plus skipped documents (`num_skipped`,
+      `skipped`) and the validation document keys (`validation_documents`, at most 1000 listed).
+      python-stdlib adds python_version, python_implementation and stdlib path.
+
+    Raises:
+      ValueError: unknown `source` form, a source that matches nothing or is malformed (message
+        names `source`), a bad `split`, or an hf `text_field` that is not a column.
+      ImportError: an `hf:` source without the `datasets` library.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split=}")
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a non-empty str, got {source=}")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if source == "python-stdlib":
+        folder = _cached(root, *_stdlib_plan(source))
+    elif source.startswith("text:"):
+        folder = _cached(root, *_text_plan(source))
+    elif source.startswith("hf:"):
+        folder = _cached(root, *_hf_plan(source))
+    elif source.startswith("tokens:"):
+        return _load_token_file(source, split)
+    else:
+        raise ValueError(
+            "source must be 'python-stdlib', 'text:<glob>', 'tokens:<path>' or "
+            f"'hf:<dataset>[:<text_field>]', got {source=}")
+    return _open_cached(folder, source, split)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache: build into a temporary folder, then os.replace into place.
+
+
+def _cached(root: Path, key: str, header: dict[str, Any],
+            documents: Iterable[tuple[str, str, bytes | None]]) -> Path:
+    """Returns the cache folder for `key`, building it from `documents` if it is missing.
+
+    `documents` yields (split, document key, data); data None marks a skipped document. It is
+    only iterated when a build is needed.
+    """
+    folder = root / key
+    if _cache_complete(folder):
+        return folder
+    if folder.exists():  # an unreadable or stale folder (never produced by an interrupted build)
+        shutil.rmtree(folder, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_build(tmp, key, header, documents)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            # Another process finished the same build first; keep its folder.
+            if not _cache_complete(folder):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _write_build(tmp: Path, key: str, header: dict[str, Any],
+                 documents: Iterable[tuple[str, str, bytes | None]]) -> None:
+    files = {s: open(tmp / SPLIT_FILES[s], "wb") for s in SPLITS}
+    hashers = {s: hashlib.sha256() for s in SPLITS}
+    stats = {s: {"num_documents": 0, "num_bytes": 0} for s in SPLITS}
+    skipped: list[str] = []
+    num_skipped = 0
+    validation_docs: list[str] = []
+    eos = np.array([EOS_ID], TOKEN_DTYPE).tobytes()
+    try:
+        for split, doc_key, data in documents:
+            if data is None:
+                num_skipped += 1
+                if len(skipped) < _MAX_LISTED:
+                    skipped.append(doc_key)
+                continue
+            buf = np.frombuffer(data, np.uint8).astype(TOKEN_DTYPE).tobytes() + eos
+            files[split].write(buf)
+            hashers[split].update(buf)
+            stats[split]["num_documents"] += 1
+            stats[split]["num_bytes"] += len(data)
+            if split == "validation" and len(validation_docs) < _MAX_LISTED:
+                validation_docs.append(doc_key)
+    finally:
+        for f in files.values():
+            f.close()
+    splits = {}
+    for s in SPLITS:
+        n_docs, n_bytes = stats[s]["num_documents"], stats[s]["num_bytes"]
+        splits[s] = {"file": SPLIT_FILES[s], "num_documents": n_docs, "num_bytes": n_bytes,
+                     "num_tokens": n_bytes + n_docs, "sha256": hashers[s].hexdigest()}
+    manifest = {
+        "format": FORMAT_VERSION, **header, "key": key,
+        "tokenizer": "byte", "vocab_size": VOCAB_SIZE, "eos_id": EOS_ID, "dtype": TOKEN_DTYPE.str,
+        "split_rule": header.get(
+            "split_rule",
+            f"validation iff int.from_bytes(sha1(key)[:8], 'big') % {VALIDATION_MODULUS} == 0"),
+        "splits": splits, "num_skipped": num_skipped, "skipped": skipped,
+        "validation_documents": validation_docs,
+    }
+    # The manifest is written last; a folder is complete iff it parses and the sizes match.
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cache_complete(folder: Path) -> bool:
+    manifest = _read_manifest(folder)
+    if manifest is None or manifest.get("format") != FORMAT_VERSION:
+        return False
+    try:
+        return all(
+            (folder / SPLIT_FILES[s]).stat().st_size
+            == manifest["splits"][s]["num_tokens"] * TOKEN_DTYPE.itemsize for s in SPLITS)
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _memmap(path: Path, offset_tokens: int = 0, num_tokens: int | None = None) -> np.ndarray:
+    """Read-only uint16 memmap of `path` (a read-only length-0 array for an empty range)."""
+    if num_tokens is None:
+        num_tokens = path.stat().st_size // TOKEN_DTYPE.itemsize - offset_tokens
+    if num_tokens == 0:
+        empty = np.zeros(0, TOKEN_DTYPE)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=offset_tokens * TOKEN_DTYPE.itemsize,
+                     shape=(num_tokens,))
+
+
+def _open_cached(folder: Path, source: str, split: str) -> Corpus:
+    manifest = _read_manifest(folder)
+    assert manifest is not None  # _cached only returns complete folders
+    info = manifest["splits"][split]
+    tokens = _memmap(folder / info["file"], 0, info["num_tokens"])
+    return Corpus(source=source, split=split, tokens=tokens, manifest=manifest,
+                  num_documents=info["num_documents"])
+
+
+def _short_hash(*parts: Any) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: each plan is (cache key, manifest header, lazy document iterator).
+
+
+def _read_utf8_files(root: Path, relpaths: list[str]) -> Iterator[tuple[str, str, bytes | None]]:
+    for rel in relpaths:
+        data = (root / rel).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            yield hash_split(rel), rel, None
+            continue
+        yield hash_split(rel), rel, data
+
+
+def _stdlib_plan(source: str):
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    relpaths = []
+    for dirpath, dirnames, filenames in os.walk(stdlib):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        rel_dir = Path(dirpath).relative_to(stdlib)
+        relpaths.extend((rel_dir / f).as_posix() for f in filenames
+                        if f.endswith(".py") and (Path(dirpath) / f).is_file())
+    relpaths.sort()
+    impl = sys.implementation.name
+    version = platform.python_version()
+    key = f"python-stdlib-{impl}-{version}-{_short_hash(str(stdlib))[:8]}-f{FORMAT_VERSION}"
+    header = {"source": source, "python_version": version, "python_implementation": impl,
+              "stdlib": str(stdlib), "num_files": len(relpaths)}
+    return key, header, _read_utf8_files(stdlib, relpaths)
+
+
+def _glob_root(pattern: str) -> Path:
+    parts = Path(pattern).parts
+    fixed = []
+    for part in parts:
+        if glob_lib.has_magic(part):
+            break
+        fixed.append(part)
+    if len(fixed) == len(parts):  # no wildcard: the pattern names one file
+        fixed = fixed[:-1]
+    return Path(*fixed) if fixed else Path(".")
+
+
+def _text_plan(source: str):
+    pattern = os.path.expanduser(source[len("text:"):])
+    if not pattern:
+        raise ValueError(f"source 'text:<glob>' needs a glob, got {source=}")
+    root = Path(os.path.abspath(_glob_root(pattern)))
+    files = sorted({Path(os.path.abspath(p)) for p in glob_lib.glob(pattern, recursive=True)
+                    if os.path.isfile(p)})
+    if not files:
+        raise ValueError(f"source matches no files: {source=}")
+    relpaths = sorted(p.relative_to(root).as_posix() for p in files)
+    listing = []
+    for rel in relpaths:
+        st = (root / rel).stat()
+        listing.append((rel, st.st_size, st.st_mtime_ns))
+    key = f"text-{_short_hash(str(root), listing)}-f{FORMAT_VERSION}"
+    header = {"source": source, "root": str(root), "num_files": len(relpaths)}
+    return key, header, _read_utf8_files(root, relpaths)
+
+
+def _hf_plan(source: str):
+    try:
+        import datasets  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(
+            f"{source=} needs the optional `datasets` library: pip install 'k3jax[hf]'") from e
+    spec = source[len("hf:"):]
+    name, text_field = (spec.rsplit(":", 1) if ":" in spec else (spec, "text"))
+    if not name or not text_field:
+        raise ValueError(f"source must be 'hf:<dataset>[:<text_field>]', got {source=}")
+    local = Path(name).expanduser()
+    if local.exists():
+        obj = datasets.load_from_disk(str(local))
+    else:
+        obj = datasets.load_dataset(name)
+    if isinstance(obj, datasets.Dataset):
+        parts = {"train": obj}
+    else:
+        parts = dict(obj)
+    if "train" in parts and "validation" in parts:
+        use = {"train": parts["train"], "validation": parts["validation"]}
+        rule = "the dataset's own train/validation splits"
+    elif "train" in parts or len(parts) == 1:
+        use = {"train": parts["train"] if "train" in parts else next(iter(parts.values()))}
+        rule = (f"hash split of one dataset split: validation iff int.from_bytes(sha1(text)[:8], "
+                f"'big') % {VALIDATION_MODULUS} == 0")
+    else:
+        raise ValueError(f"dataset of {source=} has no 'train' split; splits: {sorted(parts)}")
+    for ds in use.values():
+        if text_field not in ds.column_names:
+            raise ValueError(f"text_field {text_field!r} of {source=} is not a column; "
+                             f"columns: {ds.column_names}")
+    fingerprints = {s: getattr(ds, "_fingerprint", None) for s, ds in use.items()}
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in local.name or name)[:40]
+    key = f"hf-{safe}-{_short_hash(str(local.resolve()) if local.exists() else name, text_field, fingerprints)}-f{FORMAT_VERSION}"
+    header = {"source": source, "dataset": name, "text_field": text_field, "split_rule": rule,
+              "fingerprints": fingerprints}
+
+    def documents():
+        for given_split, ds in use.items():
+            row = 0
+            for batch in ds.select_columns([text_field]).iter(batch_size=1024):
+                for text in batch[text_field]:
+                    doc_key = f"{given_split}:{row}"
+                    row += 1
+                    if not isinstance(text, str):
+                        yield "train", doc_key, None
+                        continue
+                    split = given_split if len(use) == 2 else hash_split(text)
+                    yield split, doc_key, text.encode("utf-8")
+    return key, header, documents()
+
+
+def _load_token_file(source: str, split: str) -> Corpus:
+    path = Path(source[len("tokens:"):]).expanduser()
+    if path.is_dir():
+        files = {"train": path / "train.bin", "validation": path / "val.bin"}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise ValueError(f"source folder lacks {missing}: {source=}")
+        layout = "folder with train.bin and val.bin"
+        file = files[split]
+        n_file = file.stat().st_size
+        offset, count = 0, n_file // TOKEN_DTYPE.itemsize
+    elif path.is_file() and path.suffix == ".bin":
+        layout = "single file: first n - n // 100 tokens train, last n // 100 validation"
+        file = path
+        n_file = file.stat().st_size
+        n = n_file // TOKEN_DTYPE.itemsize
+        n_val = n // VALIDATION_MODULUS
+        offset, count = (0, n - n_val) if split == "train" else (n - n_val, n_val)
+    else:
+        raise ValueError(f"source must name a folder with train.bin/val.bin or a .bin file: {source=}")
+    if n_file % TOKEN_DTYPE.itemsize:
+        raise ValueError(f"token file {file} has an odd byte size {n_file} (not uint16): {source=}")
+    tokens = _memmap(file, offset, count)
+    hasher = hashlib.sha256()
+    num_eos, max_id = 0, -1
+    for start in range(0, count, _CHUNK):
+        chunk = np.asarray(tokens[start:start + _CHUNK])
+        hasher.update(chunk.tobytes())
+        max_id = max(max_id, int(chunk.max()))
+        num_eos += int(np.count_nonzero(chunk == EOS_ID))
+    if max_id >= VOCAB_SIZE:
+        raise ValueError(f"token file {file} holds id {max_id} >= vocab_size {VOCAB_SIZE}: {source=}")
+    manifest = {"format": FORMAT_VERSION, "source": source, "path": str(path.resolve()),
+                "layout": layout, "tokenizer": "byte", "vocab_size": VOCAB_SIZE, "eos_id": EOS_ID,
+                "dtype": TOKEN_DTYPE.str, "split": split,
+                "splits": {split: {"file": str(file.resolve()), "offset_tokens": offset,
+                                   "num_tokens": count, "num_documents": num_eos,
+                                   "sha256": hasher.hexdigest()}}}
+    return Corpus(source=source, split=split, tokens=tokens, manifest=manifest,
+                  num_documents=num_eos)
