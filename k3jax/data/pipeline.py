@@ -33,6 +33,9 @@ through grain's own orbax handler (`grain.checkpoint.CheckpointSave/CheckpointRe
         data=iterator_restore_args(train_iter)))
     train_iter = restored["data"]  # the same object, its state set in place
 
+The item lands in `<step>/data/process_<i>-of-<n>.json`. A manager built with explicit
+`item_handlers` must map the data item to `grain.checkpoint.CheckpointHandler()`.
+
 Eval (`eval_batches`): sequential windows from the start of the stream, no shuffling, the same
 slice every call, so validation numbers are comparable across steps and runs.
 """
