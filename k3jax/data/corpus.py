@@ -407,7 +407,8 @@ def _hf_plan(source: str):
                              f"columns: {ds.column_names}")
     fingerprints = {s: getattr(ds, "_fingerprint", None) for s, ds in use.items()}
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in local.name or name)[:40]
-    key = f"hf-{safe}-{_short_hash(str(local.resolve()) if local.exists() else name, text_field, fingerprints)}-f{FORMAT_VERSION}"
+    where = str(local.resolve()) if local.exists() else name
+    key = f"hf-{safe}-{_short_hash(where, text_field, fingerprints)}-f{FORMAT_VERSION}"
     header = {"source": source, "dataset": name, "text_field": text_field, "split_rule": rule,
               "fingerprints": fingerprints}
 
@@ -445,7 +446,8 @@ def _load_token_file(source: str, split: str) -> Corpus:
         n_val = n // VALIDATION_MODULUS
         offset, count = (0, n - n_val) if split == "train" else (n - n_val, n_val)
     else:
-        raise ValueError(f"source must name a folder with train.bin/val.bin or a .bin file: {source=}")
+        raise ValueError(
+            f"source must name a folder with train.bin/val.bin or a .bin file: {source=}")
     if n_file % TOKEN_DTYPE.itemsize:
         raise ValueError(f"token file {file} has an odd byte size {n_file} (not uint16): {source=}")
     tokens = _memmap(file, offset, count)
@@ -457,7 +459,8 @@ def _load_token_file(source: str, split: str) -> Corpus:
         max_id = max(max_id, int(chunk.max()))
         num_eos += int(np.count_nonzero(chunk == EOS_ID))
     if max_id >= VOCAB_SIZE:
-        raise ValueError(f"token file {file} holds id {max_id} >= vocab_size {VOCAB_SIZE}: {source=}")
+        raise ValueError(
+            f"token file {file} holds id {max_id} >= vocab_size {VOCAB_SIZE}: {source=}")
     manifest = {"format": FORMAT_VERSION, "source": source, "path": str(path.resolve()),
                 "layout": layout, "tokenizer": "byte", "vocab_size": VOCAB_SIZE, "eos_id": EOS_ID,
                 "dtype": TOKEN_DTYPE.str, "split": split,

@@ -1,4 +1,4 @@
-"""grain input pipelines over a token stream: a resumable shuffled train loader and a fixed eval slice.
+"""grain pipelines over a token stream: a resumable shuffled train loader and a fixed eval slice.
 
 Train loader (`make_train_loader`): the stream is cut into non-overlapping windows of stride T =
 seq_len (window i covers tokens [i*T, i*T + T] inclusive, T+1 tokens, so consecutive windows share
@@ -56,10 +56,14 @@ def num_windows(tokens, seq_len: int) -> int:
     return max(0, (int(np.shape(tokens)[0]) - 1) // seq_len)
 
 
+def _is_positive_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+
 def _check(tokens, batch_size: int, seq_len: int) -> int:
-    if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
+    if not _is_positive_int(seq_len):
         raise ValueError(f"seq_len must be a positive int, got {seq_len=}")
-    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+    if not _is_positive_int(batch_size):
         raise ValueError(f"batch_size must be a positive int, got {batch_size=}")
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens must be a 1-D token stream, got {np.shape(tokens)=}")
@@ -108,7 +112,7 @@ def make_train_loader(tokens, *, batch_size: int, seq_len: int, seed: int,
     n = _check(tokens, batch_size, seq_len)
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")
-    if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
+    if num_epochs is not None and not _is_positive_int(num_epochs):
         raise ValueError(f"num_epochs must be None or a positive int, got {num_epochs=}")
     ds = (grain.MapDataset.range(n)
           .shuffle(seed=int(seed))
@@ -131,7 +135,7 @@ def eval_batches(tokens, *, batch_size: int, seq_len: int,
         seq_len + 1 (message names seq_len).
     """
     n = _check(tokens, batch_size, seq_len)
-    if not isinstance(max_batches, (int, np.integer)) or max_batches < 1:
+    if not _is_positive_int(max_batches):
         raise ValueError(f"max_batches must be a positive int, got {max_batches=}")
     sizes = [batch_size] * min(max_batches, n // batch_size) or [n]
     batches, window = [], 0
@@ -152,7 +156,7 @@ def iterator_save_args(iterator: grain.DatasetIterator) -> Any:
 
 
 def iterator_restore_args(iterator: grain.DatasetIterator) -> Any:
-    """orbax `CheckpointArgs` that restore into `iterator` in place: `grain.checkpoint.CheckpointRestore`.
+    """orbax `CheckpointArgs` restoring `iterator` in place: `grain.checkpoint.CheckpointRestore`.
 
     `iterator` must come from `make_train_loader` with the arguments of the saved one; the
     restored item returned by `CheckpointManager.restore` is that same iterator.
