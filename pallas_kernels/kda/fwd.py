@@ -1,0 +1,122 @@
+"""KDA chunk forward kernels: intra-chunk factors (parallel) and the serial state pass.
+
+Layouts inside the kernels are head-major: q, k, g [B, H, T, K]; v [B, H, T, V]; beta [B, H, T];
+states are stored TRANSPOSED as [V, K] (fp32) so that the per-channel decay exp(G_last) [1, K]
+broadcasts along rows. T is a multiple of the chunk size C; K, V are powers of two >= 16 (the
+wrapper in ops.py pads). Gate units: nats, fp32.
+
+Source: the chunk form of Kimi Linear (arXiv 2510.26692) Eq. 1 as in fla `chunk_kda`
+(ANCHORS.md section 1):
+  A = (I + L)^-1,  W = A (beta e^G K),  U = A (beta V)
+  V' = U - W S;  O = scale (Q e^G) S + tril(Aqk) V';  S <- e^{G_last} S + (K e^{G_last - G})^T V'.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import common as cm
+from pallas_kernels.kda.common import BT, F32
+
+
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
+                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *, scale, dtype):
+    C = q_ref.shape[0]
+    ns = C // BT
+    G, anc, G_last = cm.gate_cumsum(g_ref, ns)
+    q = cm.load_tiles(q_ref, ns)
+    k = cm.load_tiles(k_ref, ns)
+    v = cm.load_tiles(v_ref, ns)
+    b = [x.astype(F32)[:, None] for x in cm.load_tiles(beta_ref, ns)]
+    f = cm.chunk_factors(q, k, v, b, G, anc, scale=scale, dtype=dtype)
+    zero = jnp.zeros((BT, BT), F32)
+    for r in range(ns):
+        rows = pl.ds(r * BT, BT)
+        qg_ref[rows, :] = scale * q[r].astype(F32) * jnp.exp(G[r])
+        kd_ref[rows, :] = k[r].astype(F32) * jnp.exp(G_last - G[r])
+        w_ref[rows, :] = f["W"][r]
+        u_ref[rows, :] = f["U"][r]
+        for s in range(ns):
+            aqk_ref[rows, pl.ds(s * BT, BT)] = f["Aqk"][(r, s)] if s <= r else zero
+    gl_ref[...] = jnp.exp(G_last).reshape(gl_ref.shape)
+
+
+def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool):
+    """Per-chunk factors, one program per (batch, head, chunk).
+
+    Args: q, k [B, H, T, K] (bf16 or fp32); v [B, H, T, V]; g [B, H, T, K] fp32 log-decay (nats);
+      beta [B, H, T]. T % chunk_size == 0.
+    Returns (fp32): qg = scale q e^G [B,H,T,K]; kd = k e^{G_last-G} [B,H,T,K]; w [B,H,T,K];
+      u [B,H,T,V]; aqk [B,H,T,C] (row-block c holds the chunk's lower-triangular scaled q.k scores);
+      gl = e^{G_last} [B,H,NT,K].
+    """
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NT = T // C
+    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
+    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
+    tb = pl.BlockSpec((None, None, C), lambda b, h, c: (b, h, c))
+    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
+    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    out_shape = [jax.ShapeDtypeStruct((B, H, T, K), F32), jax.ShapeDtypeStruct((B, H, T, K), F32),
+                 jax.ShapeDtypeStruct((B, H, T, K), F32), jax.ShapeDtypeStruct((B, H, T, V), F32),
+                 jax.ShapeDtypeStruct((B, H, T, C), F32), jax.ShapeDtypeStruct((B, H, NT, K), F32)]
+    kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype)
+    return pl.pallas_call(
+        kernel, grid=(B, H, NT),
+        in_specs=[tk, tk, tv, tk, tb],
+        out_specs=[tk, tk, tk, tv, ta, tg],
+        out_shape=out_shape, interpret=interpret,
+        name="kda_intra_fwd",
+    )(q, k, v, g, beta)
+
+
+def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref,
+                      o_ref, h_ref, ht_ref, *, chunk_size):
+    C = chunk_size
+    NT = qg_ref.shape[0] // C
+
+    def body(c, St):                                    # St: [BV, K] fp32 state entering chunk c
+        rows = pl.ds(c * C, C)
+        h_ref[c] = St
+        vp = u_ref[rows, :] - cm.dot_nt(w_ref[rows, :], St)               # V' [C, BV]
+        o = cm.dot_nt(qg_ref[rows, :], St) + cm.dot(aqk_ref[rows, :], vp)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        gl = gl_ref[pl.ds(c, 1), :]                                       # [1, K]
+        return St * gl + cm.dot_tn(vp, kd_ref[rows, :])
+
+    ht_ref[...] = jax.lax.fori_loop(0, NT, body, h0_ref[...].astype(F32))
+
+
+def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
+              interpret: bool):
+    """Serial pass over chunks, one program per (batch, head, V-block); fp32 state in registers.
+
+    Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state).
+    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] fp32 (state entering each chunk, saved
+      for the backward); ht [B, H, V, K] fp32 (final state, transposed).
+    """
+    B, H, T, K = qg.shape
+    V = u.shape[-1]
+    C = chunk_size
+    NT = T // C
+    BV = block_v
+    fk = pl.BlockSpec((None, None, T, K), lambda b, h, iv: (b, h, 0, 0))
+    fv = pl.BlockSpec((None, None, T, BV), lambda b, h, iv: (b, h, 0, iv))
+    fa = pl.BlockSpec((None, None, T, C), lambda b, h, iv: (b, h, 0, 0))
+    fg = pl.BlockSpec((None, None, NT, K), lambda b, h, iv: (b, h, 0, 0))
+    fs = pl.BlockSpec((None, None, BV, K), lambda b, h, iv: (b, h, iv, 0))
+    fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
+    return pl.pallas_call(
+        functools.partial(_state_fwd_kernel, chunk_size=C), grid=(B, H, V // BV),
+        in_specs=[fk, fk, fk, fv, fa, fg, fs],
+        out_specs=[fv, fh, fs],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
+                   jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
+                   jax.ShapeDtypeStruct((B, H, V, K), F32)],
+        interpret=interpret, name="kda_state_fwd",
+    )(qg, kd, w, u, aqk, gl, h0)

@@ -1,0 +1,159 @@
+"""Pallas KDA (Kimi Delta Attention) chunk kernels behind a `jax.custom_vjp`.
+
+Forward: `fwd.intra_fwd` (gate cumsum, anchored 16x16 score tiles, (I+L)^-1, W, U, Aqk; parallel over
+(batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; parallel over (batch, head,
+V-block)). Backward: `fwd.intra_fwd` is re-run (cheap) and the saved per-chunk states are reused;
+`bwd.state_bwd` (reverse serial pass) then `bwd.intra_bwd` (parallel) give dq, dk, dv, dg, dbeta
+and dh0. Every gradient is computed by Pallas kernels; the only XLA work is layout (transpose,
+pad, slice) and summing the V-block partials of the reverse pass.
+
+Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
+Triton backend (the default for pallas_call on CUDA, no `compiler_params`); `interpret=True` runs
+the same kernel bodies on CPU. Not run on TPU.
+
+Source: Kimi Linear (arXiv 2510.26692) Eq. 1, chunk form as in fla `chunk_kda(safe_gate=True)`;
+see ANCHORS.md section 1. This package never imports k3jax.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import bwd, fwd
+
+CHUNK_SIZE = 64
+MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
+MAX_HEAD_DIM = 128         # largest K, V the tests cover
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
+              chunk_size=CHUNK_SIZE, initial_state=None) -> tuple[bool, str]:
+    """Whether `kda_pallas` covers this call (shapes, dtypes, options), and why not if it does not.
+
+    Args: as `kda_pallas` (arrays or ShapeDtypeStructs), plus the dispatch options segment_ids and
+      use_qk_l2norm, which the kernel does not implement.
+    Returns: (True, "") or (False, reason).
+    """
+    if segment_ids is not None:
+        return False, "segment_ids is not supported by the Pallas KDA kernel"
+    if use_qk_l2norm:
+        return False, "use_qk_l2norm=True is not supported by the Pallas KDA kernel"
+    if lower_bound is None:
+        return False, ("lower_bound=None (unbounded gates) is not supported by the Pallas KDA kernel: "
+                       "it implements only the bounded-gate uniform-GEMM diagonal tiles")
+    if not MIN_LOWER_BOUND <= float(lower_bound) < 0:
+        return False, f"{lower_bound=} must lie in [{MIN_LOWER_BOUND}, 0) for the Pallas KDA kernel"
+    if chunk_size != CHUNK_SIZE:
+        return False, f"{chunk_size=} is not supported by the Pallas KDA kernel (only {CHUNK_SIZE})"
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+        return False, f"expected q, k, g of one shape [B, T, H, K]; got {q.shape=} {k.shape=} {g.shape=}"
+    B, T, H, K = q.shape
+    if v.ndim != 4 or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
+        return False, f"expected v [B, T, H, V], beta [B, T, H]; got {v.shape=} {beta.shape=}"
+    V = v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        return False, f"head dims K={K}, V={V} above {MAX_HEAD_DIM} are not covered by the tests"
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        return False, f"q, k, v must share one dtype in (bfloat16, float32); got {dtypes}"
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        return False, f"expected initial_state [B, H, K, V]; got {initial_state.shape=}"
+    return True, ""
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
+    o, ht, _ = _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret)
+    return o, ht
+
+
+def _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
+    fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    o, h, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
+                             interpret=interpret)
+    return o, ht, h
+
+
+def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
+    o, ht, h = _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret)
+    return (o, ht), (q, k, v, g, beta, h0, h)
+
+
+def _core_bwd(scale, chunk_size, block_v, interpret, res, cts):
+    q, k, v, g, beta, h0, h = res
+    do, dht = cts
+    qg, kd, w, u, aqk, gl = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
+                                          interpret=interpret)
+    dqg, dkd, dw, du, daqk, dgl, dh0 = bwd.state_bwd(
+        qg, kd, w, u, aqk, gl, h, do, dht, chunk_size=chunk_size, block_v=block_v,
+        interpret=interpret)
+    dqg, dkd, dw, daqk, dgl = (x.sum(0) for x in (dqg, dkd, dw, daqk, dgl))
+    dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl,
+                                          scale=scale, chunk_size=chunk_size, interpret=interpret)
+    return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = None,
+               initial_state=None, output_final_state: bool = False,
+               chunk_size: int = CHUNK_SIZE, interpret: bool = False):
+    """Chunked KDA with Pallas kernels, differentiable (custom_vjp; backward also in Pallas).
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V] (one dtype: bf16 or fp32; dots take bf16 operands with
+        fp32 accumulation for bf16 inputs); g: [B, T, H, K] log-decay in nats with
+        lower_bound <= g <= 0 (a caller PROMISE; not checked at run time); beta: [B, T, H].
+      lower_bound: declared gate bound in [-5, 0); it is what makes every 16x16 diagonal tile one
+        dense dot (exp of at most 16 * 5 = 80 nats).
+      scale: query scale, None = K ** -0.5.
+      initial_state: [B, H, K, V] (fp32) state before token 0, or None (zeros).
+      output_final_state: also return the fp32 final state [B, H, K, V].
+      chunk_size: 64 (the only supported value).
+      interpret: run the kernels in Pallas interpret mode (CPU).
+
+    Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
+
+    Raises: ValueError naming the reason when `supported(...)` is False.
+
+    Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`.
+    """
+    ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size,
+                        initial_state=initial_state)
+    if not ok:
+        raise ValueError(why)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    C = chunk_size
+    Tp = -(-T // C) * C
+    Kp, Vp = _pow2(K), _pow2(V)
+    block_v = min(Vp, 64)
+
+    def prep(x, n, dtype=None):        # [B, T, H, n] -> [B, H, Tp, n_pad]; zero padding is inert
+        x = jnp.transpose(x, (0, 2, 1, 3))
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, n - x.shape[-1])))
+        return x if dtype is None else x.astype(dtype)
+
+    qh, kh = prep(q, Kp), prep(k, Kp)
+    vh = prep(v, Vp)
+    gh = prep(g, Kp, jnp.float32)
+    bh = jnp.pad(jnp.transpose(beta, (0, 2, 1)), ((0, 0), (0, 0), (0, Tp - T)))
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, Vp, Kp), jnp.float32)
+    else:
+        h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
+        h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
+    o, ht = _core(qh, kh, vh, gh, bh, h0, float(scale), C, block_v, bool(interpret))
+    o = jnp.transpose(o[:, :, :T, :V], (0, 2, 1, 3))
+    final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
+    return o, final
