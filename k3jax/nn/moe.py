@@ -1,0 +1,222 @@
+"""Mixture-of-Experts SwiGLU feed-forward (flax NNX): router, balancing, dropless/capacity dispatch.
+
+The math lives in :mod:`k3jax.ops.routing` and :mod:`k3jax.ops.dispatch`; this module owns the
+parameters and wires them together. Sources: DeepSeekMoE / DeepSeek-V3 §2.1 (routed + shared
+experts, sigmoid router, selection bias), Kimi K3 §2.3.3 (Quantile Balancing), Switch (capacity).
+
+Bias protocol: the router bias is a :class:`RouterBias` variable (fp32, NOT an ``nnx.Param``, so an
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches it). ``__call__`` never mutates it: it
+returns ``aux["next_bias"]`` (and ``aux["next_state"]`` for stateful methods) and the TRAIN step
+writes them back (``ffn.router_bias[...] = aux["next_bias"]``); evaluation ignores them, and with
+``train=False`` they equal the current values anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.ops import dispatch as dispatch_ops
+from k3jax.ops import routing as routing_ops
+from k3jax.ops.routing import BalancingConfig
+
+__all__ = ["BalancingState", "MoEFeedForward", "RouterBias"]
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias ``[E]`` fp32; non-trainable (not an ``nnx.Param``), updated by the
+    train step from ``aux["next_bias"]``."""
+
+
+class BalancingState(nnx.Variable):
+    """Cross-step balancing state (e.g. the sliding load window of ``"quantile_threshold"``);
+    non-trainable, updated by the train step from ``aux["next_state"]``."""
+
+
+def _expert_init(batch_axis: int = 0):
+    return jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(batch_axis,)
+    )
+
+
+class MoEFeedForward(nnx.Module):
+    """Routed SwiGLU experts (+ optional shared experts) with a top-k router and one balancing method.
+
+    Args:
+      d_model: D. d_ff: F, the hidden width of ONE expert. num_experts: E routed experts.
+      top_k: k experts per token.
+      num_shared_experts: always-on experts (DeepSeekMoE), fused into one SwiGLU of width
+        ``num_shared_experts · d_ff`` whose output is added unweighted.
+      score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
+      routed_scaling_factor: multiplies the routed gate weights (DeepSeek-V3).
+      balancing: :class:`~k3jax.ops.routing.BalancingConfig`.
+      capacity_factor: None = dropless (grouped matmul); a float = capacity dispatch with dropping.
+      dispatch_implementation: grouped-matmul implementation name (see
+        :func:`k3jax.ops.dispatch.grouped_matmul`), None = default.
+      dtype: compute dtype of the expert matmuls (bf16; fp32 accumulation). The router runs in fp32.
+      param_dtype: parameter dtype (fp32).
+      rngs: ``nnx.Rngs``.
+
+    Raises:
+      ValueError: invalid sizes or options.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        num_shared_experts: int = 0,
+        score_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        balancing: BalancingConfig = BalancingConfig(),
+        capacity_factor: float | None = None,
+        dispatch_implementation: str | None = None,
+        dtype: Any = jnp.bfloat16,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if min(d_model, d_ff, num_experts) < 1:
+            raise ValueError(f"sizes must be >= 1; got {d_model=}, {d_ff=}, {num_experts=}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts=}]; got {top_k=}")
+        if num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0; got {num_shared_experts=}")
+        if score_func not in routing_ops.SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {routing_ops.SCORE_FUNCS}; got {score_func=}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be None or > 0; got {capacity_factor=}")
+        if balancing.method in ("quantile", "quantile_threshold") and top_k >= num_experts:
+            raise ValueError(f"{balancing.method=} needs top_k < num_experts; got {top_k=}, {num_experts=}")
+        if (
+            dispatch_implementation is not None
+            and dispatch_implementation not in dispatch_ops.GROUPED_MATMUL_IMPLEMENTATIONS
+        ):
+            raise ValueError(
+                f"dispatch_implementation must be None or one of "
+                f"{sorted(dispatch_ops.GROUPED_MATMUL_IMPLEMENTATIONS)}; got {dispatch_implementation=}"
+            )
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_shared_experts = num_shared_experts
+        self.score_func = score_func
+        self.routed_scaling_factor = routed_scaling_factor
+        self.balancing = balancing
+        self.capacity_factor = capacity_factor
+        self.dispatch_implementation = dispatch_implementation
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        init = _expert_init()
+        self.router = nnx.Param(
+            jax.nn.initializers.normal(stddev=d_model**-0.5)(rngs.params(), (d_model, num_experts), jnp.float32)
+        )
+        self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
+        state = routing_ops.init_balancing_state(balancing, num_experts)
+        self.balancing_state = BalancingState(state) if state is not None else None
+        self.w_gate = nnx.Param(init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype))
+        if num_shared_experts:
+            width = num_shared_experts * d_ff
+            dense = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+            self.shared_gate = nnx.Param(dense(rngs.params(), (d_model, width), param_dtype))
+            self.shared_up = nnx.Param(dense(rngs.params(), (d_model, width), param_dtype))
+            self.shared_down = nnx.Param(dense(rngs.params(), (width, d_model), param_dtype))
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        train: bool = True,
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Apply the MoE FFN.
+
+        Args:
+          x: ``[B, T, D]`` activations (any float dtype; experts run in ``dtype``).
+          segment_ids: ``[B, T]`` int32, 0 = padding (excluded from loads, statistics, losses and
+            capacity); None = every token is real.
+          train: False (evaluation) returns the current bias/state as ``next_bias``/``next_state``.
+
+        Returns:
+          ``(y [B, T, D] in x.dtype, aux)`` with ``aux = {"loss": fp32 scalar, "next_bias": [E] fp32,
+          "next_state": pytree or None, "stats": {"loads" [E], "max_vio", "cv", "dropped_fraction",
+          "dead_experts", "entropy", "diverted_fraction"} (fp32)}``.
+
+        Raises:
+          ValueError: ``x`` not ``[B, T, d_model]`` or ``segment_ids`` not ``[B, T]``.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [B, T, {self.d_model}]; got {x.shape=}")
+        batch, seq_len, d_model = x.shape
+        num_tokens = batch * seq_len
+        if segment_ids is not None:
+            if segment_ids.shape != (batch, seq_len):
+                raise ValueError(f"segment_ids must be [B, T] = {(batch, seq_len)}; got {segment_ids.shape=}")
+            token_mask = (segment_ids != 0).reshape(num_tokens)
+        else:
+            token_mask = None
+        xf = x.reshape(num_tokens, d_model)
+        bias = self.router_bias.get_value()
+        state = self.balancing_state.get_value() if self.balancing_state is not None else None
+
+        logits = jnp.dot(xf.astype(jnp.float32), self.router.get_value().astype(jnp.float32))
+        scores = routing_ops.router_scores(logits, self.score_func)
+        demand = None
+        if self.balancing.method == "quantile_threshold":
+            b = self.balancing
+            routing, demand = routing_ops.threshold_route(
+                scores, self.top_k, state,
+                high_percentile=b.high_percentile, low_percentile=b.low_percentile,
+                tolerance=b.tolerance, priority_boost=b.priority_boost, score_func=self.score_func,
+                routed_scaling_factor=self.routed_scaling_factor, token_mask=token_mask,
+            )
+        else:
+            routing = routing_ops.route(
+                scores, bias, self.top_k, score_func=self.score_func,
+                routed_scaling_factor=self.routed_scaling_factor,
+            )
+        out = routing_ops.balance(
+            self.balancing, scores, routing, bias, state, score_func=self.score_func,
+            token_mask=token_mask, sequence_length=seq_len, demand_loads=demand,
+        )
+
+        xc = xf.astype(self.dtype)
+        w_gate = self.w_gate.get_value().astype(self.dtype)
+        w_up = self.w_up.get_value().astype(self.dtype)
+        w_down = self.w_down.get_value().astype(self.dtype)
+        if self.capacity_factor is None:
+            y = dispatch_ops.dropless_moe(
+                xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
+                implementation=self.dispatch_implementation,
+            )
+            dropped = jnp.float32(0.0)
+        else:
+            y, dropped = dispatch_ops.capacity_moe(
+                xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
+                self.capacity_factor, token_mask=token_mask,
+            )
+        if self.shared_gate is not None:
+            g = jnp.dot(xc, self.shared_gate.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
+            u = jnp.dot(xc, self.shared_up.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
+            h = (jax.nn.silu(g) * u).astype(self.dtype)
+            y = y + jnp.dot(h, self.shared_down.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
+
+        stats = dict(out.stats)
+        stats["dropped_fraction"] = dropped
+        if train:
+            next_bias, next_state = out.next_bias, out.next_state
+        else:
+            next_bias, next_state = bias, state
+        aux = {"loss": out.loss, "next_bias": next_bias, "next_state": next_state, "stats": stats}
+        return y.reshape(batch, seq_len, d_model).astype(x.dtype), aux

@@ -1,0 +1,311 @@
+"""Token dispatch for MoE: dropless (sort + grouped matmul + unsort) and capacity-factor dispatch.
+
+Notation: N tokens, model width D, expert width F, E experts, top_k = k, capacity C. A routing is
+``expert_ids [N, k]`` int32 and ``weights [N, k]`` fp32 (:mod:`k3jax.ops.routing`).
+
+Dropless (MegaBlocks, Gale et al. 2022; the ``ragged_dot`` formulation of MaxText / Marin): the N·k
+(token, slot) rows are stably sorted by expert, each expert's contiguous group is multiplied by its
+own weight matrix in one grouped matmul (:func:`grouped_matmul`, ``jax.lax.ragged_dot`` semantics),
+and the rows are scattered back and combined with the gate weights. Nothing is dropped.
+
+Capacity dispatch (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021 §2.2): every expert has
+``C = ceil(capacity_factor · N · k / E)`` slots (N = token rows, static); (token, slot) rows claim them in token order
+(row-major over ``[N, k]``: token 0 slot 0, token 0 slot 1, ..., token 1 slot 0, ...); rows past C are
+dropped and contribute ZERO, so the token passes through the residual connection unchanged by that
+expert. Padding tokens never take capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "GROUPED_MATMUL_IMPLEMENTATIONS",
+    "CapacityDispatch",
+    "capacity_dispatch",
+    "capacity_moe",
+    "combine",
+    "grouped_matmul",
+    "grouped_swiglu",
+    "permute",
+    "register_grouped_matmul",
+    "dropless_moe",
+]
+
+
+def _xla_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+# Grouped-matmul implementations: name -> fn(lhs [M, K], rhs [E, K, N], group_sizes [E] int32,
+# preferred_element_type) -> [M, N], with jax.lax.ragged_dot semantics and differentiable (custom_vjp
+# if needed). "xla" is jax.lax.ragged_dot (correct everywhere; ~60x slower than the best GPU kernels
+# on an H200, ANCHORS.md). A GPU kernel (tokamax ragged_dot / a Pallas Mosaic GPU kernel) is added with
+# register_grouped_matmul("<name>", fn) and selected by name; the default stays "xla" until then.
+GROUPED_MATMUL_IMPLEMENTATIONS: dict[str, Callable] = {"xla": _xla_ragged_dot}
+DEFAULT_GROUPED_MATMUL = "xla"
+
+
+def register_grouped_matmul(name: str, fn: Callable) -> None:
+    """Register a grouped-matmul implementation under ``name`` (the GPU-kernel hook).
+
+    ``fn(lhs, rhs, group_sizes, preferred_element_type)`` must match ``jax.lax.ragged_dot``
+    (rows ``sum(group_sizes):M`` of the output are zero) and be differentiable.
+
+    Raises:
+      ValueError: ``name`` is empty or already registered.
+    """
+    if not name or name in GROUPED_MATMUL_IMPLEMENTATIONS:
+        raise ValueError(f"name must be new and non-empty; got {name=}")
+    GROUPED_MATMUL_IMPLEMENTATIONS[name] = fn
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    implementation: str | None = None,
+    preferred_element_type=jnp.float32,
+) -> jax.Array:
+    """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
+
+    Rows ``[o_g, o_g + group_sizes[g])`` of ``lhs`` (``o_g`` = sum of earlier sizes) are multiplied
+    by ``rhs[g]``; rows at or after ``sum(group_sizes)`` give zeros.
+
+    Args:
+      lhs: ``[M, K]`` (bf16 or fp32). rhs: ``[E, K, N]`` same dtype. group_sizes: ``[E]`` int32,
+        ``sum <= M``.
+      implementation: None (= ``DEFAULT_GROUPED_MATMUL``, "xla") or a name in
+        ``GROUPED_MATMUL_IMPLEMENTATIONS``. Fail-closed: an unknown name raises.
+      preferred_element_type: accumulation/output dtype (fp32 default: bf16 operands, fp32 accum).
+
+    Returns:
+      ``[M, N]`` in ``preferred_element_type``.
+
+    Raises:
+      ValueError: bad ranks/shapes or unknown ``implementation``.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"need lhs [M, K], rhs [E, K, N], group_sizes [E]; got {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
+    if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
+        raise ValueError(f"shape mismatch: {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
+    name = DEFAULT_GROUPED_MATMUL if implementation is None else implementation
+    if name not in GROUPED_MATMUL_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None or one of {sorted(GROUPED_MATMUL_IMPLEMENTATIONS)}; got {implementation=}"
+        )
+    return GROUPED_MATMUL_IMPLEMENTATIONS[name](
+        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type
+    )
+
+
+class Permutation(NamedTuple):
+    """Sorted-by-expert layout of the N·k (token, slot) rows.
+
+    Attributes:
+      order: ``[N·k]`` int32, flat row index (``token·k + slot``) of each sorted row (stable sort).
+      group_sizes: ``[E]`` int32 rows per expert.
+    """
+
+    order: jax.Array
+    group_sizes: jax.Array
+
+
+def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
+    """Copy each token once per selected expert and sort the copies by expert (stable: token order
+    inside an expert).
+
+    Args:
+      x: ``[N, D]`` tokens. expert_ids: ``[N, k]`` int. num_experts: E.
+
+    Returns:
+      ``(x_sorted [N·k, D], Permutation)``.
+
+    Raises:
+      ValueError: shapes inconsistent.
+    """
+    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"need x [N, D] and expert_ids [N, k]; got {x.shape=}, {expert_ids.shape=}")
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    x_sorted = jnp.take(x, order // top_k, axis=0)
+    return x_sorted, Permutation(order=order, group_sizes=group_sizes)
+
+
+def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.Array:
+    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32).
+
+    Args:
+      y_sorted: ``[N·k, D]`` expert outputs in sorted order. perm: from :func:`permute`.
+      weights: ``[N, k]`` gate weights.
+
+    Returns:
+      ``[N, D]`` fp32, ``y_i = Σ_s w_is · y_sorted[row of (i, s)]``.
+    """
+    num_tokens, top_k = weights.shape
+    inverse = jnp.zeros_like(perm.order).at[perm.order].set(jnp.arange(perm.order.shape[0], dtype=jnp.int32))
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(num_tokens, top_k, -1).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+
+
+def grouped_swiglu(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """SwiGLU experts on expert-sorted rows: ``(silu(x W_g) ⊙ x W_u) W_d`` per group (Shazeer 2020).
+
+    Args:
+      x_sorted: ``[M, D]``; group_sizes ``[E]``; w_gate, w_up ``[E, D, F]``; w_down ``[E, F, D]``, all
+        in the compute dtype (bf16 in training). Matmuls accumulate in fp32; the hidden activation is
+        cast back to the compute dtype before the down projection.
+      implementation: passed to :func:`grouped_matmul`.
+
+    Returns:
+      ``[M, D]`` fp32.
+    """
+    g = grouped_matmul(x_sorted, w_gate, group_sizes, implementation=implementation)
+    u = grouped_matmul(x_sorted, w_up, group_sizes, implementation=implementation)
+    h = (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+    return grouped_matmul(h, w_down, group_sizes, implementation=implementation)
+
+
+def dropless_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Dropless MoE SwiGLU: ``y_i = Σ_s w_is · FFN_{e_is}(x_i)`` via permute → grouped matmuls → combine.
+
+    Args:
+      x: ``[N, D]`` tokens (compute dtype). expert_ids: ``[N, k]`` int32. weights: ``[N, k]`` fp32.
+      w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]`` (compute dtype).
+      implementation: grouped-matmul implementation (see :func:`grouped_matmul`).
+
+    Returns:
+      ``[N, D]`` fp32.
+    """
+    num_experts = w_gate.shape[0]
+    x_sorted, perm = permute(x, expert_ids, num_experts)
+    y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation)
+    return combine(y_sorted, perm, weights)
+
+
+class CapacityDispatch(NamedTuple):
+    """Capacity assignment of the ``[N, k]`` (token, slot) rows.
+
+    Attributes:
+      position: ``[N, k]`` int32 rank of the row in its expert's queue (token order).
+      kept: ``[N, k]`` bool, row is valid and ``position < capacity``.
+      capacity: C (python int).
+      dropped_fraction: fp32 scalar, dropped valid rows / valid rows (N_valid · k).
+    """
+
+    position: jax.Array
+    kept: jax.Array
+    capacity: int
+    dropped_fraction: jax.Array
+
+
+def capacity_dispatch(
+    expert_ids: jax.Array,
+    num_experts: int,
+    capacity_factor: float,
+    *,
+    token_mask: jax.Array | None = None,
+) -> CapacityDispatch:
+    """Assign expert slots with a hard capacity; overflow rows are dropped in token order.
+
+    ``C = ceil(capacity_factor · N · k / E)`` with N the number of token rows (static, so padding
+    rows count in N but never take a slot). Drop order = row-major order of ``[N, k]`` (GShard/Switch
+    "first come first served" by token position; a token's slot 0 before its slot 1).
+
+    Args:
+      expert_ids: ``[N, k]`` int. num_experts: E. capacity_factor: > 0.
+      token_mask: ``[N]`` bool, False rows take no capacity and count as neither kept nor dropped.
+
+    Returns:
+      :class:`CapacityDispatch`.
+
+    Raises:
+      ValueError: ``capacity_factor <= 0`` or bad shapes.
+    """
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0; got {capacity_factor=}")
+    if expert_ids.ndim != 2:
+        raise ValueError(f"expert_ids must be [N, k]; got {expert_ids.shape=}")
+    num_tokens, top_k = expert_ids.shape
+    if token_mask is None:
+        token_mask = jnp.ones((num_tokens,), jnp.bool_)
+    if token_mask.shape != (num_tokens,):
+        raise ValueError(f"token_mask must be [N]; got {token_mask.shape=}")
+    capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    valid = jnp.broadcast_to(token_mask.astype(jnp.bool_)[:, None], expert_ids.shape)
+    one_hot = jax.nn.one_hot(expert_ids.reshape(-1), num_experts, dtype=jnp.int32)
+    one_hot = one_hot * valid.reshape(-1, 1)
+    position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1).reshape(num_tokens, top_k)
+    kept = valid & (position < capacity)
+    n_valid = jnp.sum(valid.astype(jnp.float32))
+    dropped = jnp.sum((valid & ~kept).astype(jnp.float32)) / jnp.maximum(n_valid, 1.0)
+    return CapacityDispatch(position=position.astype(jnp.int32), kept=kept, capacity=capacity, dropped_fraction=dropped)
+
+
+def capacity_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    capacity_factor: float,
+    *,
+    token_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """MoE SwiGLU with capacity-factor dispatch: dense ``[E, C, D]`` expert buffers, batched matmuls.
+
+    Kept rows are scattered into their expert's buffer, the experts run as one batched einsum
+    (fp32 accumulation), and outputs are gathered back and combined with the gate weights; dropped
+    rows contribute exactly zero (the token passes through the residual).
+
+    Args:
+      x: ``[N, D]``; expert_ids ``[N, k]``; weights ``[N, k]`` fp32; w_gate, w_up ``[E, D, F]``;
+        w_down ``[E, F, D]``; capacity_factor > 0; token_mask ``[N]`` bool or None.
+
+    Returns:
+      ``(y [N, D] fp32, dropped_fraction fp32 scalar)``.
+    """
+    num_tokens, d_model = x.shape
+    num_experts = w_gate.shape[0]
+    top_k = expert_ids.shape[1]
+    disp = capacity_dispatch(expert_ids, num_experts, capacity_factor, token_mask=token_mask)
+    cap = disp.capacity
+    trash = num_experts * cap
+    dest = jnp.where(disp.kept, expert_ids * cap + disp.position, trash).reshape(-1)  # [N·k]
+    rows = jnp.repeat(x, top_k, axis=0)  # [N·k, D], row = token·k + slot
+    buf = jnp.zeros((trash + 1, d_model), x.dtype).at[dest].set(rows)[:trash]
+    buf = buf.reshape(num_experts, cap, d_model)
+    g = jnp.einsum("ecd,edf->ecf", buf, w_gate, preferred_element_type=jnp.float32)
+    u = jnp.einsum("ecd,edf->ecf", buf, w_up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    out = jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=jnp.float32)
+    out = jnp.concatenate([out.reshape(trash, d_model), jnp.zeros((1, d_model), jnp.float32)], axis=0)
+    y = jnp.take(out, dest, axis=0).reshape(num_tokens, top_k, d_model)
+    w = weights.astype(jnp.float32) * disp.kept.astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, w), disp.dropped_fraction
