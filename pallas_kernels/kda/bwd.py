@@ -180,7 +180,8 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
             dG[s] = dG[s] - kt_s * db
 
     # dg = reverse cumsum of dG within the chunk, plus dG_last on every row.
-    upper = jnp.where(cm.mask(False).T, 1.0, 0.0).astype(F32)   # U_ij = 1 for j >= i
+    upper = jnp.where(lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
+                      >= lax.broadcasted_iota(jnp.int32, (BT, BT), 0), 1.0, 0.0).astype(F32)
     carry = dG_last
     for r in reversed(range(ns)):
         rows = pl.ds(r * BT, BT)
