@@ -1,0 +1,177 @@
+"""Kimi Delta Attention (KDA): gates, the public op with its dispatch, and the one-token decode step.
+
+- `kda_gate`: the two log-decay parameterisations (Kimi Linear's softplus gate; K3's bounded gate).
+- `kda`: the one public entry point; `implementation` picks the recurrent oracle, the XLA chunk form
+  (`kda_chunked`, see k3jax/ops/kda_chunked.py) or the Pallas kernel.
+- `kda_decode_step`: one token per sequence against a cached fp32 state (generation).
+
+Shapes follow fla: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V] fp32.
+Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `fla/ops/kda` (naive.py, gate.py, chunk.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.kda_chunked import kda_chunked, validate_chunk_size, validate_lower_bound
+from k3jax.ops.kda_reference import kda_recurrent, l2_normalize
+
+__all__ = ["kda", "kda_gate", "kda_chunked", "kda_recurrent", "kda_decode_step", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("recurrent", "chunked", "pallas")
+
+
+def kda_gate(
+    g_raw: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array | None = None,
+    *,
+    lower_bound: float | None = None,
+) -> jax.Array:
+    """Per-channel log-decay g (nats, <= 0) from the gate projection, in fp32.
+
+    lower_bound=None (Kimi Linear):  g = -exp(A_log[h]) * softplus(g_raw + dt_bias)   (g in (-inf, 0))
+    lower_bound=b (K3, bounded):     g = b * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)) (g in (b, 0))
+
+    Args:
+      g_raw: [B, T, H, K] gate projection output (any float dtype).
+      A_log: [H] log of the per-head decay rate.
+      dt_bias: [H * K] or [H, K] bias added to g_raw, or None.
+      lower_bound: None, or a Python number in [-5, 0).
+
+    Returns:
+      g: [B, T, H, K] float32.
+
+    Raises:
+      ValueError: g_raw not 4-D, A_log not [H], dt_bias not [H*K]/[H, K], lower_bound outside [-5, 0).
+
+    Source: fla `fla/ops/kda/gate.py` (`naive_kda_gate` and its lower_bound variant); ANCHORS.md §1.
+    """
+    validate_lower_bound(lower_bound)
+    if g_raw.ndim != 4:
+        raise ValueError(f"g_raw must be [B, T, H, K]; got {g_raw.shape=}")
+    H, K = g_raw.shape[2:]
+    if A_log.shape != (H,):
+        raise ValueError(f"A_log must be [H] = {(H,)}; got {A_log.shape=}")
+    x = g_raw.astype(jnp.float32)
+    if dt_bias is not None:
+        if dt_bias.shape not in ((H * K,), (H, K)):
+            raise ValueError(f"dt_bias must be [H*K] = {(H * K,)} or [H, K] = {(H, K)}; got {dt_bias.shape=}")
+        x = x + dt_bias.astype(jnp.float32).reshape(H, K)
+    A = jnp.exp(A_log.astype(jnp.float32))[:, None]                       # [H, 1]
+    if lower_bound is None:
+        return -A * jax.nn.softplus(x)
+    return float(lower_bound) * jax.nn.sigmoid(A * x)
+
+
+def kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    use_qk_l2norm: bool = False,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Kimi Delta Attention: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+    o_t = S_t^T (scale q_t), per head.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (nats, <= 0); beta: [B, T, H].
+      scale: query scale, None = K ** -0.5.
+      initial_state: [B, H, K, V] fp32 state before token 0 (first segment of each row only).
+      output_final_state: also return the fp32 final state [B, H, K, V].
+      segment_ids: [B, T] integer document ids; the state restarts at every change of id.
+      use_qk_l2norm: L2-normalise q, k along K first.
+      lower_bound: the caller's promise that g >= lower_bound (in [-5, 0)); lets the chunked op use a
+        single bf16 GEMM per 16-token diagonal tile. None = exact path for any g <= 0.
+      chunk_size: chunk length for "chunked" (power of two >= 16).
+      implementation: None (= "chunked", the best available), "recurrent" (the fp32 oracle, O(T)
+        sequential steps), "chunked" (XLA chunk form) or "pallas" (Pallas kernel; unavailable until
+        the kernel lands, and then an explicit request that cannot run raises).
+      interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
+
+    Returns:
+      (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
+
+    Raises:
+      ValueError: unknown or unavailable implementation, mismatched shapes, bad chunk_size or
+        lower_bound (the message names the argument).
+
+    Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda` / `naive_recurrent_kda`.
+    """
+    if implementation not in (None,) + IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; got {implementation=}")
+    validate_lower_bound(lower_bound)
+    validate_chunk_size(chunk_size)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm)
+    if implementation == "pallas":
+        raise ValueError(
+            f"{implementation=} is unavailable: the Pallas KDA kernel (pallas_kernels/kda) is not built "
+            "yet; use implementation=None or 'chunked'")
+    if implementation == "recurrent":
+        return kda_recurrent(q, k, v, g, beta, **common)
+    return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **common)
+
+
+def kda_decode_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """One KDA token per sequence against a cached state (the recurrence's step, fp32).
+
+    Args:
+      q, k, g: [B, H, K] (one token; no time axis). g is the log-decay in nats.
+      v: [B, H, V].
+      beta: [B, H].
+      state: [B, H, K, V] state before this token (cast to fp32).
+      scale: query scale, None = K ** -0.5.
+      use_qk_l2norm: L2-normalise q, k along K first.
+
+    Returns:
+      (o [B, H, V] in v's dtype, state [B, H, K, V] fp32 after this token).
+
+    Raises:
+      ValueError: mismatched shapes (the message names the argument).
+
+    Source: fla `naive_recurrent_kda` step (decay, delta rule, output); Kimi Linear Eq. 1.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, K] (one token); got {q.shape=}")
+    B, H, K = q.shape
+    for name, x in (("k", k), ("g", g)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape [B, H, K]; got {name}.shape={x.shape}, {q.shape=}")
+    if v.ndim != 3 or v.shape[:2] != (B, H):
+        raise ValueError(f"v must be [B, H, V]; got {v.shape=}, {q.shape=}")
+    if beta.shape != (B, H):
+        raise ValueError(f"beta must be [B, H]; got {beta.shape=}")
+    if state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}; got {state.shape=}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    f32 = jnp.promote_types(jnp.float32, q.dtype)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q, k, g, b = q.astype(f32) * scale, k.astype(f32), g.astype(f32), beta.astype(f32)
+    S = state.astype(f32) * jnp.exp(g)[..., None]
+    v_old = jnp.einsum("bhk,bhkv->bhv", k, S, precision=jax.lax.Precision.HIGHEST)
+    S = S + jnp.einsum("bhk,bhv->bhkv", b[..., None] * k, v.astype(f32) - v_old,
+                       precision=jax.lax.Precision.HIGHEST)
+    o = jnp.einsum("bhk,bhkv->bhv", q, S, precision=jax.lax.Precision.HIGHEST)
+    return o.astype(v.dtype), S
