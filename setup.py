@@ -22,7 +22,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "matplotlib", "jupytext", "nbclient", "ipykernel"],
+        "test": ["pytest", "pytest-xdist", "matplotlib", "jupytext", "nbclient", "ipykernel", "datasets"],
         "gpu": ["jax[cuda13]==0.11.2"],
         "notebooks": ["matplotlib", "jupytext", "nbclient", "ipykernel"],
         "hf": ["datasets"],

@@ -1,0 +1,24 @@
+"""Train a k3jax language model.
+
+  python -m experiments.train --config=experiments/configs/k3_tiny.py --config.train.steps=50
+
+Outputs go to `--config.workdir`: checkpoints/, metrics.jsonl, tensorboard/, run_header.json.
+Re-running with the same workdir resumes from the latest checkpoint.
+"""
+from absl import app, flags
+from ml_collections import config_flags
+
+from k3jax.train.config import run_config_from_dict
+from k3jax.train.trainer import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Run config file.")
+
+
+def main(argv):
+    del argv
+    train(run_config_from_dict(_CONFIG.value))
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)  # absl WARNING: keep orbax's per-save INFO lines out of the log
+    app.run(main)

@@ -1,0 +1,96 @@
+"""Model configuration: a frozen dataclass validated at construction.
+
+The layer stack is described by `mixer_pattern`, one letter per layer, repeated to `num_layers`:
+``"A"`` = causal softmax attention, ``"K"`` = Kimi Delta Attention. ``ffn`` picks the feed-forward
+(``"mlp"`` = SwiGLU, ``"moe"`` = routed experts) and ``residual`` the residual scheme.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+MIXERS = {"A": "attention", "K": "kda"}
+FFNS = ("mlp", "moe")
+RESIDUALS = ("prenorm", "block_attnres", "full_attnres", "article_block")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of the hybrid language model.
+
+    Attributes:
+      vocab_size: number of token ids the tokenizer produces (byte tokenizer: 259). The embedding table
+        is padded up to a multiple of 64; padded ids are never targets and are masked when sampling.
+      d_model: hidden size D.
+      num_layers: transformer layers (each = one mixer sublayer + one FFN sublayer).
+      num_heads: heads of every mixer.
+      head_dim: per-head size (K = V = head_dim for KDA).
+      mixer_pattern: letters from {"A", "K"}, tiled over the layers ("KKKA" = 3 KDA : 1 attention).
+      d_ff: SwiGLU hidden size (per expert for MoE).
+      ffn: "mlp" or "moe".
+      residual: "prenorm" | "block_attnres" | "full_attnres" | "article_block".
+      attention_rope: rotary position embedding in attention layers (False = NoPE, as K3's hybrid).
+      rope_theta: RoPE base.
+      dtype: compute dtype ("bfloat16" or "float32"); parameters are always float32.
+      norm_eps: RMSNorm epsilon.
+      kda_gate: "bounded" (lower_bound * sigmoid, K3) or "softplus" (Kimi Linear).
+      kda_lower_bound: lower bound of the bounded log-decay gate (natural log units), in [-5, 0).
+      kda_chunk_size: chunk length of the chunked KDA op.
+      kda_implementation: None (best available) | "recurrent" | "chunked" | "pallas".
+      tie_embeddings: share the embedding table with the LM head.
+      init_std: std of the normal init of embeddings.
+    """
+
+    vocab_size: int = 259
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 32
+    mixer_pattern: str = "A"
+    d_ff: int = 384
+    ffn: str = "mlp"
+    residual: str = "prenorm"
+    attention_rope: bool = True
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+    norm_eps: float = 1e-6
+    kda_gate: str = "bounded"
+    kda_lower_bound: float = -5.0
+    kda_chunk_size: int = 64
+    kda_implementation: str | None = None
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "kda_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+        if not self.mixer_pattern or any(c not in MIXERS for c in self.mixer_pattern):
+            raise ValueError(f"model.mixer_pattern must be letters from {sorted(MIXERS)}, got {self.mixer_pattern!r}")
+        if self.ffn not in FFNS:
+            raise ValueError(f"model.ffn must be one of {FFNS}, got {self.ffn!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"model.residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kda_gate not in ("bounded", "softplus"):
+            raise ValueError(f"model.kda_gate must be 'bounded' or 'softplus', got {self.kda_gate!r}")
+        if not -5.0 <= self.kda_lower_bound < 0.0:
+            raise ValueError(f"model.kda_lower_bound must be in [-5, 0), got {self.kda_lower_bound!r}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps!r}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // 64) * 64
+
+    @property
+    def layer_mixers(self) -> tuple[str, ...]:
+        """The mixer letter of each layer: `mixer_pattern` tiled to `num_layers`."""
+        p = self.mixer_pattern
+        return tuple(p[i % len(p)] for i in range(self.num_layers))
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.num_layers

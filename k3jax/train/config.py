@@ -1,0 +1,135 @@
+"""Run configuration as frozen dataclasses, validated at construction.
+
+Only `experiments/` parses flags (ml_collections config files); the library takes these dataclasses.
+`run_config_from_dict` turns a (Config)dict with keys model/data/train/workdir/seed into a `RunConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from k3jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are batched.
+
+    Attributes:
+      source: "python-stdlib" | "text:<glob>" | "tokens:<path>" | "hf:<dataset>[:<field>]".
+      seq_len: tokens per training sequence T.
+      batch_size: sequences per step B.
+      cache_dir: corpus cache folder ("" = $K3JAX_CACHE or ~/.cache/k3jax).
+    """
+
+    source: str = "python-stdlib"
+    seq_len: int = 256
+    batch_size: int = 16
+    cache_dir: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"data.source must be a non-empty string, got {self.source!r}")
+        kind = self.source.split(":", 1)[0]
+        if self.source != "python-stdlib" and kind not in ("text", "tokens", "hf"):
+            raise ValueError(f"data.source: unknown corpus {self.source!r}; expected python-stdlib, "
+                             "text:<glob>, tokens:<path> or hf:<dataset>")
+        for name in ("seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"data.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, evaluation, logging and checkpoint cadence (all counts in optimizer steps).
+
+    Attributes:
+      steps: total optimizer steps.
+      learning_rate: peak AdamW learning rate after linear warmup; cosine decay to
+        `learning_rate * min_lr_ratio` at `steps`.
+      warmup_steps, min_lr_ratio, weight_decay (not applied to 1-D params), b1, b2, grad_clip (global norm).
+      eval_every: evaluate every N steps (and at the end); eval_batches: batches in the fixed slice.
+      log_every: JSONL/TensorBoard cadence.
+      checkpoint_every: save every N steps (and at the end and on SIGTERM); keep_checkpoints: last K kept.
+      max_nonfinite_steps: stop after this many consecutive skipped (non-finite) updates.
+      sample_tokens, sample_prompt, sample_temperature: the sample printed at the end (0 tokens = none).
+    """
+
+    steps: int = 1200
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    max_nonfinite_steps: int = 10
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+
+    def __post_init__(self):
+        for name in ("steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
+                     "keep_checkpoints", "max_nonfinite_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"train.{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "sample_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"train.{name} must be a non-negative int, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError(f"train.weight_decay must be >= 0 and train.grad_clip > 0, got "
+                             f"{self.weight_decay!r}, {self.grad_clip!r}")
+        if self.sample_temperature < 0:
+            raise ValueError(f"train.sample_temperature must be >= 0, got {self.sample_temperature!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs. `workdir` holds checkpoints, metrics.jsonl and TensorBoard logs."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    workdir: str = "runs/default"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.workdir:
+            raise ValueError("workdir must be a non-empty path")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+
+def _build(cls, section: str, values: Mapping[str, Any]):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{section}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    return cls(**values)
+
+
+def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
+    """Build a validated `RunConfig` from a plain dict or `ml_collections.ConfigDict`."""
+    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+    unknown = sorted(set(d) - {"model", "data", "train", "workdir", "seed"})
+    if unknown:
+        raise ValueError(f"config: unknown field(s) {unknown}")
+    return RunConfig(
+        model=_build(ModelConfig, "model", d.get("model", {})),
+        data=_build(DataConfig, "data", d.get("data", {})),
+        train=_build(TrainConfig, "train", d.get("train", {})),
+        workdir=d.get("workdir", "runs/default"),
+        seed=d.get("seed", 0),
+    )

@@ -1,0 +1,197 @@
+"""The training loop: data -> model -> jitted steps -> eval -> checkpoints -> metrics -> a sample.
+
+`train(cfg)` resumes from the latest checkpoint in `cfg.workdir` when there is one (same data position,
+same optimizer state), saves every `checkpoint_every` steps, at the end, and when the process gets
+SIGTERM, then returns a summary dict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from k3jax.data.corpus import load_corpus, unigram_entropy_bits
+from k3jax.data.pipeline import eval_batches, make_train_loader
+from k3jax.data.tokenizer import ByteTokenizer
+from k3jax.models.generate import generate
+from k3jax.models.lm import LanguageModel
+from k3jax.train.checkpoint import Checkpointer
+from k3jax.train.config import RunConfig
+from k3jax.train.metrics import MetricsWriter
+from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
+from k3jax.train.step import bits_per_byte, eval_step, train_step
+
+log = logging.getLogger("k3jax")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when `max_nonfinite_steps` consecutive updates were skipped for inf/NaN gradients."""
+
+
+class _Sigterm:
+    """Turns SIGTERM into a flag the loop checks after each step (then it checkpoints and returns)."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _versions() -> dict:
+    import flax
+    import grain
+    import optax
+    import orbax.checkpoint
+    return {"python": sys.version.split()[0], "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "orbax-checkpoint": orbax.checkpoint.__version__,
+            "grain": getattr(grain, "__version__", "?")}
+
+
+def evaluate(model, batches) -> dict:
+    """Validation loss (nats/token), bits-per-byte and MoE loads summed over `batches` (no state change)."""
+    nats = count = nbytes = 0.0
+    loads = None
+    for batch in batches:
+        out = eval_step(model, {k: jnp.asarray(v) for k, v in batch.items()})
+        nats, count, nbytes = nats + float(out["nats"]), count + float(out["count"]), nbytes + float(out["bytes"])
+        if out["loads"]:
+            layer_loads = np.stack([np.asarray(x) for x in out["loads"]])
+            loads = layer_loads if loads is None else loads + layer_loads
+    result = {"val_loss": nats / max(count, 1.0), "val_bpb": bits_per_byte(nats, nbytes)}
+    if loads is not None:
+        mean = loads.mean(axis=-1, keepdims=True)
+        result["val_max_vio_global"] = float(np.mean((loads.max(-1, keepdims=True) - mean) / np.maximum(mean, 1e-9)))
+    return result
+
+
+def sample_text(model, cfg: RunConfig, *, seed: int) -> str:
+    """Decode `cfg.train.sample_tokens` tokens after `cfg.train.sample_prompt` with the model's caches."""
+    tok = ByteTokenizer()
+    prompt = tok.encode(cfg.train.sample_prompt or "\n")[None]
+    out = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, rng=jax.random.key(seed),
+                   temperature=cfg.train.sample_temperature, top_k=0)
+    return tok.decode(np.asarray(out[0]))
+
+
+def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | None = None) -> dict:
+    """Train (or resume) the run described by `cfg`; return a summary (final eval, tokens/s, sample...).
+
+    `stop_at_step` ends this process's part of the run early (checkpoint saved, as on SIGTERM) without
+    changing the run itself (the schedule still spans `cfg.train.steps`); a later call resumes.
+
+    Raises:
+      NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
+        of the last good state is written first).
+    """
+    t_start = time.time()
+    cache_dir = cfg.data.cache_dir or None
+    train_corpus = load_corpus(cfg.data.source, "train", cache_dir=cache_dir)
+    val_corpus = load_corpus(cfg.data.source, "validation", cache_dir=cache_dir)
+    if val_corpus.num_tokens <= cfg.data.seq_len:
+        val_corpus = train_corpus  # tiny corpora: evaluate on the head of the train stream
+        log.warning("validation split shorter than one sequence; evaluating on training data")
+    entropy = unigram_entropy_bits(train_corpus.tokens)
+
+    model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg.train), wrt=nnx.Param)
+    data_iter = make_train_loader(train_corpus.tokens, batch_size=cfg.data.batch_size,
+                                  seq_len=cfg.data.seq_len, seed=cfg.seed)
+    val_batches = eval_batches(val_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                               max_batches=cfg.train.eval_batches)
+    ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
+    start_step = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        meta = ckpt.restore(latest, model, optimizer, data_iter)
+        start_step = int(meta["step"])
+    writer = MetricsWriter(cfg.workdir, resume_step=start_step if latest is not None else None)
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+    header = {"versions": _versions(), "devices": [str(d) for d in jax.devices()], "num_params": num_params,
+              "train_tokens": train_corpus.num_tokens, "val_tokens": val_corpus.num_tokens,
+              "unigram_entropy_bits": entropy, "resumed_from_step": start_step if latest is not None else None,
+              "config": dataclasses.asdict(cfg)}
+    print("k3jax run\n" + json.dumps(header, indent=1, default=str), flush=True)
+    with open(f"{cfg.workdir}/run_header.json", "w") as f:
+        json.dump(header, f, indent=1, default=str)
+    print(f"corpus unigram byte entropy: {entropy:.3f} bits/byte (a model must beat this to have learned "
+          "more than byte frequencies)", flush=True)
+
+    schedule = learning_rate_schedule(cfg.train)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    summary: dict = {"unigram_entropy_bits": entropy, "num_params": num_params, "start_step": start_step}
+    timed_tokens, timed_seconds = 0, 0.0
+    step = start_step
+    stopped_by_signal = False
+    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not show_progress, dynamic_ncols=True,
+               file=sys.stdout, mininterval=1.0)
+    with _Sigterm() as sigterm:
+        while step < cfg.train.steps:
+            batch = {k: jnp.asarray(v) for k, v in next(data_iter).items()}
+            t0 = time.perf_counter()
+            metrics = train_step(model, optimizer, batch)
+            metrics = jax.device_get(metrics)
+            dt = time.perf_counter() - t0
+            step += 1
+            if step > start_step + 1:  # first step of a process includes compilation
+                timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + dt
+            tok_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(metrics['ce']):.3f}", tok_s=f"{tok_s:,.0f}")
+            if int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps:
+                ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step {step}")
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                scalars = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
+                scalars.update(lr=float(schedule(step - 1)), tokens_per_s=tok_s, tokens=step * tokens_per_step)
+                writer.write(step, scalars)
+            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                ev = evaluate(model, val_batches)
+                writer.write(step, ev)
+                bar.write(f"step {step}: train ce {float(metrics['ce']):.4f} | val loss {ev['val_loss']:.4f} nats"
+                          f" | val {ev['val_bpb']:.4f} bits/byte | {tok_s:,.0f} tok/s")
+                summary.update(ev)
+            if stop_at_step is not None and step >= stop_at_step:
+                sigterm.received = True
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps or sigterm.received:
+                ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+            if sigterm.received:
+                stopped_by_signal = True
+                bar.write(f"stopped early: checkpoint saved at step {step}; rerun to resume")
+                break
+    bar.close()
+    summary.update(step=step, tokens_per_s=timed_tokens / timed_seconds if timed_seconds else 0.0,
+                   stopped_by_signal=stopped_by_signal)
+    if not stopped_by_signal and cfg.train.sample_tokens:
+        summary["sample"] = sample_text(model, cfg, seed=cfg.seed)
+        print("\n--- sample (prompt + {} sampled bytes, temperature {}) ---\n{}\n---".format(
+            cfg.train.sample_tokens, cfg.train.sample_temperature, summary["sample"]), flush=True)
+    summary["wall_seconds"] = time.time() - t_start
+    writer.close()
+    ckpt.close()
+    if "val_bpb" in summary:
+        print(f"final: val {summary['val_bpb']:.4f} bits/byte (unigram entropy {entropy:.3f}), "
+              f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_seconds']:.0f} s", flush=True)
+    return summary
