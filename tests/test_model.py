@@ -25,9 +25,10 @@ def test_output_shapes_and_dtype():
     assert aux == {"moe": []}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_chain_equals_forward(dtype):
-    model = _model(dtype=dtype)
+@pytest.mark.parametrize("dtype,residual", [("float32", "prenorm"), ("bfloat16", "prenorm"),
+                                            ("float32", "block_attnres"), ("float32", "article_block")])
+def test_decode_chain_equals_forward(dtype, residual):
+    model = _model(dtype=dtype, residual=residual, residual_blocks=2)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 259)
     logits, _ = model(tokens)
     cache = model.init_cache(2, 12)
@@ -79,3 +80,71 @@ def test_bad_model_config_raises_naming_the_field(field, value):
 
 def test_mixer_pattern_tiles_over_layers():
     assert ModelConfig(num_layers=6, mixer_pattern="KKKA").layer_mixers == ("K", "K", "K", "A", "K", "K")
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "block_attnres", "full_attnres", "article_block"])
+def test_residual_variants_train_and_report_diagnostics(residual):
+    """Finite outputs; after one step every pseudo-query has a non-zero gradient except sublayer 0's,
+    whose mix reads the embedding alone (one source, weight 1: exactly zero gradient by construction)."""
+    model = _model(num_layers=3, residual=residual, residual_blocks=2)
+    tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, 256)
+
+    def loss(m):
+        logits, _ = m(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    assert np.isfinite(float(value))
+    diag = model.diagnostics(tokens)
+    chex.assert_shape(diag["hidden_rms"], (6,))
+    chex.assert_shape(diag["cosine"], (5,))
+    assert np.all(np.isfinite(diag["hidden_rms"])) and np.all(np.abs(diag["cosine"]) <= 1 + 1e-5)
+    if residual in ("block_attnres", "full_attnres"):
+        w = np.asarray(diag["depth_weights"])
+        assert w.shape[0] == 7
+        np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(w[0, 0], 1.0)  # sublayer 0 reads the embedding alone
+        g = np.stack([np.asarray(grads.depth_mixes[i].pseudo_query[...]) for i in range(7)])
+        assert np.all(g[0] == 0)
+        assert np.all(np.abs(g[1:]).max(axis=1) > 0)
+    else:
+        assert "depth_weights" not in diag
+    if residual == "article_block":
+        assert abs(float(grads.block_scales[0].alpha[...])) > 0
+
+
+def test_block_attnres_model_equals_hand_unrolled_two_blocks():
+    """2 layers (4 sublayers) in 2 blocks of the model == the formulas unrolled by hand."""
+    from k3jax.ops.residuals import depth_attention
+    model = _model(num_layers=2, residual="block_attnres", residual_blocks=2)
+    rng = np.random.default_rng(0)
+    for m in model.depth_mixes:  # non-trivial pseudo-queries
+        m.pseudo_query.value = jnp.asarray(rng.normal(size=32), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(5), (1, 8), 0, 256)
+    logits, _ = model(tokens)
+    q = [m.pseudo_query[...] for m in model.depth_mixes]
+    g = [m.key_norm_scale[...] for m in model.depth_mixes]
+    seg, pos = jnp.ones((1, 8), jnp.int32), jnp.arange(8)[None]
+    f0 = lambda x: model.mixers[0](model.mixer_norms[0](x), segment_ids=seg, positions=pos)  # noqa: E731
+    f1 = lambda x: model.ffns[0](model.ffn_norms[0](x))  # noqa: E731
+    f2 = lambda x: model.mixers[1](model.mixer_norms[1](x), segment_ids=seg, positions=pos)  # noqa: E731
+    f3 = lambda x: model.ffns[1](model.ffn_norms[1](x))  # noqa: E731
+    b0 = model.embed(tokens)
+    v0 = f0(depth_attention([b0], q[0], g[0]))
+    v1 = f1(depth_attention([b0, v0], q[1], g[1]))
+    b1 = v0 + v1
+    v2 = f2(depth_attention([b0, b1], q[2], g[2]))
+    v3 = f3(depth_attention([b0, b1, v2], q[3], g[3]))
+    b2 = v2 + v3
+    expected = model._logits(depth_attention([b0, b1, b2], q[4], g[4]))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(residual="block_attnres", num_layers=2, residual_blocks=5), "residual_blocks"),
+    (dict(residual="article_block", num_layers=2, residual_blocks=3), "residual_blocks"),
+    (dict(residual="block_attnres", residual_block_unit="tokens"), "residual_block_unit"),
+])
+def test_bad_residual_configs_raise_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig(**kw)

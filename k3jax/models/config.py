@@ -28,7 +28,13 @@ class ModelConfig:
       mixer_pattern: letters from {"A", "K"}, tiled over the layers ("KKKA" = 3 KDA : 1 attention).
       d_ff: SwiGLU hidden size (per expert for MoE).
       ffn: "mlp" or "moe".
-      residual: "prenorm" | "block_attnres" | "full_attnres" | "article_block".
+      residual: "prenorm" (plain PreNorm residual stream) | "block_attnres" (Block Attention Residuals,
+        arXiv 2603.15031: each sublayer reads a softmax mix over [embedding, block sums, partial sum]) |
+        "full_attnres" (N = L: every sublayer output is its own source) | "article_block" (the seed
+        article's literal version: alpha-scaled attention output replaces the stream at block ends).
+      residual_blocks: N, the number of blocks for "block_attnres" and "article_block".
+      residual_block_unit: what "block_attnres" blocks count: "sublayers" (paper) or "layers" (K3).
+        "article_block" always groups whole layers.
       attention_rope: rotary position embedding in attention layers (False = NoPE, as K3's hybrid).
       rope_theta: RoPE base.
       dtype: compute dtype ("bfloat16" or "float32"); parameters are always float32.
@@ -50,6 +56,8 @@ class ModelConfig:
     d_ff: int = 384
     ffn: str = "mlp"
     residual: str = "prenorm"
+    residual_blocks: int = 8
+    residual_block_unit: str = "sublayers"
     attention_rope: bool = True
     rope_theta: float = 10000.0
     dtype: str = "float32"
@@ -72,6 +80,16 @@ class ModelConfig:
             raise ValueError(f"model.ffn must be one of {FFNS}, got {self.ffn!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"model.residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.residual_block_unit not in ("sublayers", "layers"):
+            raise ValueError(f"model.residual_block_unit must be 'sublayers' or 'layers', got {self.residual_block_unit!r}")
+        if not isinstance(self.residual_blocks, int) or self.residual_blocks <= 0:
+            raise ValueError(f"model.residual_blocks must be a positive int, got {self.residual_blocks!r}")
+        if self.residual in ("block_attnres", "article_block"):
+            unit = "layers" if self.residual == "article_block" else self.residual_block_unit
+            units = self.num_layers if unit == "layers" else 2 * self.num_layers
+            if self.residual_blocks > units:
+                raise ValueError(f"model.residual_blocks={self.residual_blocks} exceeds the {units} {unit} "
+                                 f"of the model (residual={self.residual!r})")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kda_gate not in ("bounded", "softplus"):
@@ -94,3 +112,14 @@ class ModelConfig:
     @property
     def num_sublayers(self) -> int:
         return 2 * self.num_layers
+
+    def block_layout(self):
+        """The `k3jax.ops.residuals.BlockLayout` of the residual scheme (None for "prenorm")."""
+        from k3jax.ops.residuals import block_layout  # noqa: PLC0415
+        if self.residual == "prenorm":
+            return None
+        if self.residual == "full_attnres":
+            return block_layout(self.num_layers, self.num_sublayers, unit="sublayers")
+        if self.residual == "article_block":
+            return block_layout(self.num_layers, self.residual_blocks, unit="layers")
+        return block_layout(self.num_layers, self.residual_blocks, unit=self.residual_block_unit)

@@ -12,6 +12,8 @@ from flax import nnx
 from k3jax.models.config import ModelConfig
 from k3jax.nn.attention import CausalSelfAttention
 from k3jax.nn.mlp import SwiGLU
+from k3jax.nn.residuals import BlockScale, DepthMix
+from k3jax.ops import residuals as residual_ops
 
 
 def _dtype(name: str):
@@ -55,21 +57,48 @@ class LanguageModel(nnx.Module):
         self.mixer_norms = nnx.List([norm() for _ in range(cfg.num_layers)])
         self.ffn_norms = nnx.List([norm() for _ in range(cfg.num_layers)])
         self.final_norm = norm()
+        self.layout = cfg.block_layout()
+        if cfg.residual in ("block_attnres", "full_attnres"):
+            # one zero-initialised pseudo-query + key norm per sublayer, and one for the final mix
+            self.depth_mixes = nnx.List([DepthMix(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+                                         for _ in range(cfg.num_sublayers + 1)])
+        if cfg.residual == "article_block":
+            self.block_scales = nnx.List([BlockScale(rngs=rngs) for _ in range(cfg.residual_blocks - 1)])
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=dtype,
                                    kernel_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
 
-    # -- sublayers ---------------------------------------------------------------------------------
-    def _sublayer(self, index: int, x, *, segment_ids, positions, train: bool):
-        """Sublayer `index` (even = mixer of layer index//2, odd = FFN) on its residual input x."""
-        layer = index // 2
-        if index % 2 == 0:
-            return self.mixers[layer](self.mixer_norms[layer](x), segment_ids=segment_ids, positions=positions), None
-        ffn = self.ffns[layer]
-        h = self.ffn_norms[layer](x)
-        if self.cfg.ffn == "moe":
-            return ffn(h, segment_ids=segment_ids, train=train)
-        return ffn(h), None
+    # -- the stack ---------------------------------------------------------------------------------
+    def _run_stack(self, h, mixer_call, ffn_call) -> residual_ops.DepthForward:
+        """Run the 2L sublayers over embedding `h` under the configured residual scheme.
+
+        `mixer_call(layer, x)` / `ffn_call(layer, x)` apply layer's mixer / FFN to its normed input.
+        The residual schemes are the readable references of `k3jax.ops.residuals`, used as they are.
+        """
+        fns = []
+        for index in range(self.cfg.num_sublayers):
+            layer = index // 2
+            if index % 2 == 0:
+                fns.append(lambda x, layer=layer: mixer_call(layer, self.mixer_norms[layer](x)))
+            else:
+                fns.append(lambda x, layer=layer: ffn_call(layer, self.ffn_norms[layer](x)))
+        if self.cfg.residual == "prenorm":
+            return residual_ops.prenorm_forward(h, fns)
+        if self.cfg.residual == "article_block":
+            alphas = jnp.stack([s.alpha[...] for s in self.block_scales]) if self.block_scales else jnp.zeros((0,))
+            return residual_ops.article_block_forward(h, fns, self.layout, alphas)
+        queries = jnp.stack([m.pseudo_query[...] for m in self.depth_mixes])
+        scales = jnp.stack([m.key_norm_scale[...] for m in self.depth_mixes])
+        return residual_ops.attnres_forward(h, fns, self.layout, queries, scales, eps=self.cfg.norm_eps)
+
+    def _ffn_call(self, segment_ids, train, moe_aux):
+        def call(layer, x):
+            if self.cfg.ffn == "moe":
+                y, aux = self.ffns[layer](x, segment_ids=segment_ids, train=train)
+                moe_aux.append(aux)
+                return y
+            return self.ffns[layer](x)
+        return call
 
     def _logits(self, h):
         h = self.final_norm(h)
@@ -77,21 +106,34 @@ class LanguageModel(nnx.Module):
             return self.embed.attend(h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
 
-    def __call__(self, inputs, *, segment_ids=None, positions=None, train: bool = True):
+    def forward(self, inputs, *, segment_ids=None, positions=None, train: bool = True):
+        """Like `__call__`, but returns `(logits, aux, DepthForward)` with per-sublayer inputs and depth
+        weights for diagnostics."""
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [B, T] token ids, got {inputs.shape=}")
         if segment_ids is None:
             segment_ids = jnp.ones(inputs.shape, jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        h = self.embed(inputs)
         moe_aux = []
-        for index in range(self.cfg.num_sublayers):
-            y, aux = self._sublayer(index, h, segment_ids=segment_ids, positions=positions, train=train)
-            h = h + y
-            if aux is not None:
-                moe_aux.append(aux)
-        return self._logits(h), {"moe": moe_aux}
+        mixer_call = lambda layer, x: self.mixers[layer](x, segment_ids=segment_ids, positions=positions)  # noqa: E731
+        depth = self._run_stack(self.embed(inputs), mixer_call, self._ffn_call(segment_ids, train, moe_aux))
+        return self._logits(depth.hidden), {"moe": moe_aux}, depth
+
+    def __call__(self, inputs, *, segment_ids=None, positions=None, train: bool = True):
+        logits, aux, _ = self.forward(inputs, segment_ids=segment_ids, positions=positions, train=train)
+        return logits, aux
+
+    def diagnostics(self, inputs, *, segment_ids=None, positions=None) -> dict:
+        """Depth diagnostics on a batch (eval mode): per-sublayer input RMS `[L]`, cosine between
+        consecutive sublayer inputs `[L-1]`, and the mean depth weights `[L+1, max sources]` (AttnRes
+        schemes only; rows = sublayers then the final mix, columns = sources b_0, b_1, ..., partial)."""
+        _, _, depth = self.forward(inputs, segment_ids=segment_ids, positions=positions, train=False)
+        out = {"hidden_rms": jnp.stack([residual_ops.hidden_rms(x).mean() for x in depth.sublayer_inputs]),
+               "cosine": residual_ops.consecutive_cosine(list(depth.sublayer_inputs))}
+        if depth.depth_weights:
+            out["depth_weights"] = residual_ops.depth_weight_matrix(depth.depth_weights)
+        return out
 
     # -- decoding ----------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_len: int):
@@ -102,15 +144,12 @@ class LanguageModel(nnx.Module):
         """One step: `tokens [B]` int32 at `position` (int32 scalar) -> (logits [B, V] fp32, cache)."""
         b = tokens.shape[0]
         pos = jnp.full((b,), position, jnp.int32)
-        seg = jnp.ones((b, 1), jnp.int32)
-        h = self.embed(tokens[:, None])
-        new_cache = []
-        for index in range(self.cfg.num_sublayers):
-            layer = index // 2
-            if index % 2 == 0:
-                y, c = self.mixers[layer].decode(self.mixer_norms[layer](h), cache[layer], position=pos)
-                new_cache.append(c)
-            else:
-                y, _ = self._sublayer(index, h, segment_ids=seg, positions=pos[:, None], train=False)
-            h = h + y
-        return self._logits(h)[:, 0], new_cache
+        new_cache = list(cache)
+
+        def mixer_call(layer, x):
+            y, new_cache[layer] = self.mixers[layer].decode(x, cache[layer], position=pos)
+            return y
+
+        depth = self._run_stack(self.embed(tokens[:, None]), mixer_call,
+                                self._ffn_call(jnp.ones((b, 1), jnp.int32), False, []))
+        return self._logits(depth.hidden)[:, 0], new_cache
