@@ -1,0 +1,127 @@
+"""Tests for k3jax.nn.moe.MoEFeedForward: wiring vs the ops, bias protocol, padding, optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax.nn.moe import BalancingState, MoEFeedForward, RouterBias
+from k3jax.ops import routing as R
+from k3jax.ops.routing import BalancingConfig
+
+B, T, D, F, E, K = 2, 8, 16, 24, 8, 2
+
+
+def _module(method="quantile", **kw):
+    kw.setdefault("dtype", jnp.float32)
+    return MoEFeedForward(D, F, E, K, balancing=BalancingConfig(method=method), rngs=nnx.Rngs(0), **kw)
+
+
+def _x(seed=1):
+    return jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
+
+
+def test_router_bias_is_not_a_param():
+    assert issubclass(RouterBias, nnx.Variable) and not issubclass(RouterBias, nnx.Param)
+    assert not issubclass(BalancingState, nnx.Param)
+    m = _module("quantile_threshold")
+    params = jax.tree.leaves(nnx.state(m, nnx.Param))
+    assert len(params) == 4  # router, w_gate, w_up, w_down
+    assert m.router_bias.get_value().dtype == jnp.float32
+    assert m.balancing_state is not None
+
+
+@pytest.mark.parametrize("score_func,shared", [("softmax", 0), ("sigmoid", 2)])
+def test_module_equals_ops_composition(score_func, shared):
+    m = _module(score_func=score_func, num_shared_experts=shared, routed_scaling_factor=2.0)
+    m.router_bias.set_value(jnp.linspace(-0.05, 0.05, E))
+    x = _x()
+    y, aux = m(x)
+    xf = x.reshape(-1, D)
+    scores = R.router_scores(xf @ m.router.get_value(), score_func)
+    r = R.route(scores, m.router_bias.get_value(), K, score_func=score_func, routed_scaling_factor=2.0)
+    ref = np.zeros((B * T, D), np.float32)
+    wg, wu, wd = (np.asarray(v.get_value()) for v in (m.w_gate, m.w_up, m.w_down))
+    for i in range(B * T):
+        for s in range(K):
+            e = int(r.expert_ids[i, s])
+            h = jax.nn.silu(xf[i] @ wg[e]) * (xf[i] @ wu[e])
+            ref[i] += float(r.weights[i, s]) * np.asarray(h @ wd[e])
+    if shared:
+        g, u, d = (v.get_value() for v in (m.shared_gate, m.shared_up, m.shared_down))
+        ref += np.asarray((jax.nn.silu(xf @ g) * (xf @ u)) @ d)
+    np.testing.assert_allclose(y.reshape(-1, D), ref, rtol=2e-5, atol=2e-5)
+    expected = R.balance(BalancingConfig(method="quantile"), scores, r, m.router_bias.get_value())
+    np.testing.assert_allclose(aux["next_bias"], expected.next_bias, atol=1e-7)
+    np.testing.assert_array_equal(aux["stats"]["loads"], R.expert_loads(r.expert_ids, E))
+    assert set(aux["stats"]) == {"loads", "max_vio", "cv", "dropped_fraction", "dead_experts", "entropy", "diverted_fraction"}
+
+
+def test_eval_does_not_move_bias_and_call_never_mutates():
+    m = _module("quantile")
+    b0 = jnp.linspace(-0.1, 0.1, E)
+    m.router_bias.set_value(b0)
+    _, aux_eval = m(_x(), train=False)
+    np.testing.assert_array_equal(aux_eval["next_bias"], b0)
+    np.testing.assert_array_equal(m.router_bias.get_value(), b0)
+    _, aux_train = m(_x(), train=True)
+    assert float(jnp.max(jnp.abs(aux_train["next_bias"] - b0))) > 1e-4  # train proposes a new bias
+    np.testing.assert_array_equal(m.router_bias.get_value(), b0)  # ... but the module keeps its own
+
+
+def test_padding_tokens_do_not_count():
+    m = _module("aux_loss")
+    x = _x(3)
+    seg = jnp.ones((B, T), jnp.int32).at[:, 5:].set(0)
+    _, aux = m(x, segment_ids=seg)
+    _, aux_valid = m(x[:, :5])
+    np.testing.assert_array_equal(aux["stats"]["loads"], aux_valid["stats"]["loads"])
+    assert float(jnp.sum(aux["stats"]["loads"])) == B * 5 * K
+    np.testing.assert_allclose(aux["loss"], aux_valid["loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="segment_ids"):
+        m(x, segment_ids=seg[:, :4])
+
+
+def test_capacity_factor_reports_drops_and_zero_output_for_dropped():
+    m = _module("none", capacity_factor=0.5)
+    y, aux = m(_x(4))
+    assert 0.0 < float(aux["stats"]["dropped_fraction"]) < 1.0
+    m_dropless = _module("none")
+    y_full, aux_full = m_dropless(_x(4))
+    assert float(aux_full["stats"]["dropped_fraction"]) == 0.0
+    assert not np.allclose(y, y_full)
+
+
+def test_train_step_writes_bias_optimizer_never_touches_it():
+    m = _module("quantile", dtype=jnp.bfloat16)
+    opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+    x = _x(5)
+
+    @nnx.jit
+    def step(m, opt, x):
+        def loss_fn(m):
+            y, aux = m(x)
+            return jnp.mean(y.astype(jnp.float32) ** 2) + aux["loss"], aux
+
+        (_, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m)
+        opt.update(m, grads)
+        m.router_bias.set_value(aux["next_bias"])  # the train step's job, not the module's
+        return aux["stats"]["max_vio"]
+
+    w0 = m.w_gate.get_value()
+    vios = [float(step(m, opt, x)) for _ in range(4)]
+    assert not np.allclose(m.w_gate.get_value(), w0)  # params trained
+    assert abs(float(jnp.sum(m.router_bias.get_value()))) < 1e-5  # QB bias is zero-mean
+    assert float(jnp.max(jnp.abs(m.router_bias.get_value()))) > 0
+    assert vios[-1] < vios[0]
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="top_k"):
+        MoEFeedForward(D, F, E, E + 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="dispatch_implementation"):
+        MoEFeedForward(D, F, E, K, dispatch_implementation="triton", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs top_k < num_experts"):
+        MoEFeedForward(D, F, 4, 4, balancing=BalancingConfig(method="quantile"), rngs=nnx.Rngs(0))
