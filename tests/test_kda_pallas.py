@@ -21,9 +21,9 @@ def recurrent(q, k, v, g, beta, h0, scale):
     def step(S, x):
         qt, kt, vt, gt, bt = x
         S = S * jnp.exp(gt)[..., None]
-        pred = jnp.einsum("bhk,bhkv->bhv", kt, S)
+        pred = jnp.einsum("bhk,bhkv->bhv", kt, S, precision="highest")
         S = S + bt[..., None, None] * kt[..., None] * (vt - pred)[..., None, :]
-        return S, jnp.einsum("bhk,bhkv->bhv", qt * scale, S)
+        return S, jnp.einsum("bhk,bhkv->bhv", qt * scale, S, precision="highest")
 
     xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
     S, o = jax.lax.scan(step, h0.astype(jnp.float32), xs)
@@ -92,11 +92,12 @@ class TestKDAPallasInterpret:
     """Kernel bodies in interpret mode on CPU (the CI run)."""
 
     interpret = True
+    fp32_tol = FP32_TOL
 
     def test_fp32_ragged_shapes(self):
         # T not a multiple of the chunk (64), K and V not powers of two: padding paths.
         inputs, cts = make_inputs(jax.random.PRNGKey(0), 1, 100, 2, 24, 40, jnp.float32)
-        check_against_oracle(pallas_fn(self.interpret), inputs, cts, FP32_TOL)
+        check_against_oracle(pallas_fn(self.interpret), inputs, cts, self.fp32_tol)
 
     def test_bf16_fla_tolerances(self):
         inputs, cts = make_inputs(jax.random.PRNGKey(1), 1, 192, 1, 64, 64, jnp.bfloat16)
@@ -106,14 +107,14 @@ class TestKDAPallasInterpret:
         # g = -5 on every channel: diagonal tiles reach exp(+75) before the select mask.
         inputs, cts = make_inputs(jax.random.PRNGKey(2), 1, 128, 1, 32, 32, jnp.float32,
                                   gate="bound")
-        check_against_oracle(pallas_fn(self.interpret), inputs, cts, FP32_TOL, grads=False)
+        check_against_oracle(pallas_fn(self.interpret), inputs, cts, self.fp32_tol, grads=False)
 
     def test_no_initial_state_no_final_state(self):
         (q, k, v, g, beta, _), _ = make_inputs(jax.random.PRNGKey(3), 2, 64, 1, 16, 16, jnp.float32)
         o, S = ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, interpret=self.interpret)
         ro, _ = recurrent(q, k, v, g, beta, jnp.zeros((2, 1, 16, 16)), 16 ** -0.5)
         assert S is None
-        assert rms_ratio(o, ro) < 1e-4
+        assert rms_ratio(o, ro) < self.fp32_tol["o"]
 
 
 class TestSupported:
@@ -155,6 +156,7 @@ class TestKDAPallasGPU(TestKDAPallasInterpret):
     """The same checks compiled for the GPU (Triton lowering), plus long sequences at K = V = 128."""
 
     interpret = False
+    fp32_tol = {name: 2e-3 for name in BF16_TOL}   # fp32 dots at default precision are TF32 on GPU
 
     @pytest.mark.parametrize("B, T, H", [(2, 1000, 4), (1, 8192, 2)])
     def test_bf16_long(self, B, T, H):

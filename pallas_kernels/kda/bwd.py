@@ -89,7 +89,7 @@ def state_bwd(qg, kd, w, u, aqk, gl, h, do, dht, *, chunk_size: int, block_v: in
            jax.ShapeDtypeStruct((NV, B, H, T, C), F32),
            jax.ShapeDtypeStruct((NV, B, H, NT, K), F32),
            jax.ShapeDtypeStruct((B, H, V, K), F32)],
-        interpret=interpret, name="kda_state_bwd",
+        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_state_bwd",
     )(qg, kd, w, u, aqk, gl, h, do, dht)
 
 
@@ -220,5 +220,5 @@ def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, ch
                    jax.ShapeDtypeStruct((B, H, T, V), v.dtype),
                    jax.ShapeDtypeStruct((B, H, T, K), F32),
                    jax.ShapeDtypeStruct((B, H, T), F32)],
-        interpret=interpret, name="kda_intra_bwd",
+        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_intra_bwd",
     )(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl)

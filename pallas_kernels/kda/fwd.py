@@ -70,7 +70,7 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         kernel, grid=(B, H, NT),
         in_specs=[tk, tk, tv, tk, tb],
         out_specs=[tk, tk, tk, tv, ta, tg],
-        out_shape=out_shape, interpret=interpret,
+        out_shape=out_shape, interpret=interpret, compiler_params=cm.COMPILER_PARAMS,
         name="kda_intra_fwd",
     )(q, k, v, g, beta)
 
@@ -118,5 +118,5 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
         out_shape=[jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
                    jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
                    jax.ShapeDtypeStruct((B, H, V, K), F32)],
-        interpret=interpret, name="kda_state_fwd",
+        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_state_fwd",
     )(qg, kd, w, u, aqk, gl, h0)

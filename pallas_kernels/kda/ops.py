@@ -8,8 +8,8 @@ and dh0. Every gradient is computed by Pallas kernels; the only XLA work is layo
 pad, slice) and summing the V-block partials of the reverse pass.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
-Triton backend (the default for pallas_call on CUDA, no `compiler_params`); `interpret=True` runs
-the same kernel bodies on CPU. Not run on TPU.
+Triton backend (the default for pallas_call on CUDA; `common.COMPILER_PARAMS` sets num_stages=1);
+`interpret=True` runs the same kernel bodies on CPU. Not run on TPU.
 
 Source: Kimi Linear (arXiv 2510.26692) Eq. 1, chunk form as in fla `chunk_kda(safe_gate=True)`;
 see ANCHORS.md section 1. This package never imports k3jax.
