@@ -123,6 +123,11 @@ def test_resume_gives_identical_losses(tmp_path):
     assert sorted(la) == sorted(lb) == list(range(1, 21))
     assert la == lb  # bit-identical per-step losses on CPU
     assert straight["val_bpb"] == resumed["val_bpb"]
+    from k3jax.train.trainer import load_trained_model
+    ma, step_a = load_trained_model(_cfg(tmp_path / "a", cache))
+    mb, step_b = load_trained_model(_cfg(tmp_path / "b", cache))
+    assert step_a == step_b == 20
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ma)), nnx.to_pure_dict(nnx.state(mb)))
 
 
 def test_sigterm_checkpoints_and_resume_matches(tmp_path):

@@ -56,5 +56,14 @@ class Checkpointer:
         nnx.update(optimizer, opt_state)
         return dict(restored["meta"])
 
+    def restore_model(self, step: int, model) -> dict:
+        """Load only the model parameters of checkpoint `step` into `model` (for eval/sampling); return meta."""
+        model_state = nnx.state(model)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(nnx.to_pure_dict(model_state)), meta=ocp.args.JsonRestore()))
+        nnx.replace_by_pure_dict(model_state, restored["model"])
+        nnx.update(model, model_state)
+        return dict(restored["meta"])
+
     def close(self):
         self.manager.close()

@@ -95,6 +95,22 @@ def sample_text(model, cfg: RunConfig, *, seed: int) -> str:
     return tok.decode(np.asarray(out[0]))
 
 
+def load_trained_model(cfg: RunConfig, *, step: int | None = None) -> tuple[LanguageModel, int]:
+    """The model of `cfg.workdir`'s checkpoint `step` (default: latest) and that step.
+
+    Raises:
+      FileNotFoundError: when the workdir holds no checkpoint.
+    """
+    ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
+    model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    ckpt.restore_model(step, model)
+    ckpt.close()
+    return model, step
+
+
 def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | None = None) -> dict:
     """Train (or resume) the run described by `cfg`; return a summary (final eval, tokens/s, sample...).
 
