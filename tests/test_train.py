@@ -196,3 +196,31 @@ def test_bad_override_on_the_command_line_fails_loudly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.train", "--config.train.steps=-3",
                           f"--config.workdir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode != 0 and "train.steps" in out.stderr
+
+
+def test_moe_train_step_writes_next_bias_and_eval_leaves_it():
+    """QB: the train step stores the layers' next bias (the optimizer never touches it); eval does not."""
+    from k3jax.models.config import ModelConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.config import TrainConfig
+    from k3jax.train.optimizer import make_optimizer
+    from k3jax.train.step import eval_step, train_step
+
+    cfg = ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=32, ffn="moe",
+                      moe_num_experts=4, moe_top_k=1, moe_balancing="quantile")
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((4, 32), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(32), (4, 32)), "loss_mask": jnp.ones((4, 32), bool)}
+    _, aux = model(batch["inputs"])  # what the layers propose from the current parameters
+    expected = [np.asarray(a["next_bias"]) for a in aux["moe"]]
+    metrics = train_step(model, opt, batch)
+    biases = [np.asarray(f.router_bias.value) for f in model.ffns]
+    for got, want in zip(biases, expected):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        assert np.abs(got).max() > 0 and abs(got.sum()) < 1e-5  # moved, and centred (b = b_hat - mean)
+    assert "moe/0/max_vio" in metrics
+    eval_step(model, batch)
+    for f, before in zip(model.ffns, biases):
+        np.testing.assert_array_equal(np.asarray(f.router_bias.value), before)

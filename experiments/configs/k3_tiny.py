@@ -3,9 +3,9 @@
 Override any field from the command line, e.g.
   make train ARGS="--config.train.steps=50 --config.workdir=runs/try"
 """
-import dataclasses
-
 import ml_collections
+
+from experiments.configs.common import section
 
 from k3jax.models.config import ModelConfig
 from k3jax.train.config import DataConfig, TrainConfig
@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({
         "workdir": "runs/k3_tiny",
         "seed": 0,
-        "model": dataclasses.asdict(model),
-        "data": dataclasses.asdict(data),
-        "train": dataclasses.asdict(train),
+        "model": section(model),
+        "data": section(data),
+        "train": section(train),
     })

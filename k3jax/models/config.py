@@ -43,6 +43,17 @@ class ModelConfig:
       kda_lower_bound: lower bound of the bounded log-decay gate (natural log units), in [-5, 0).
       kda_chunk_size: chunk length of the chunked KDA op.
       kda_implementation: None (best available) | "recurrent" | "chunked" | "pallas".
+      moe_num_experts, moe_top_k: routed experts E and experts per token k (ffn="moe").
+      moe_d_ff: hidden width of one expert (0 = d_ff).
+      moe_num_shared_experts: always-on shared experts (DeepSeekMoE).
+      moe_score_func: "softmax" or "sigmoid" router scores.
+      moe_routed_scaling_factor: multiplies the routed combine weights.
+      moe_balancing: "none" | "aux_loss" | "seq_aux_loss" | "loss_free" | "quantile" |
+        "quantile_threshold" (see `k3jax.ops.routing.BalancingConfig`).
+      moe_aux_loss_alpha: None = the method's default (1e-2 Switch, 1e-4 sequence-wise).
+      moe_quantile_estimator: "exact" or "histogram" (Quantile Balancing).
+      moe_histogram_bins, moe_ema: histogram bins; optional EMA of the QB bias over steps.
+      moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
       tie_embeddings: share the embedding table with the LM head.
       init_std: std of the normal init of embeddings.
     """
@@ -66,6 +77,18 @@ class ModelConfig:
     kda_lower_bound: float = -5.0
     kda_chunk_size: int = 64
     kda_implementation: str | None = None
+    moe_num_experts: int = 8
+    moe_top_k: int = 2
+    moe_d_ff: int = 0
+    moe_num_shared_experts: int = 0
+    moe_score_func: str = "softmax"
+    moe_routed_scaling_factor: float = 1.0
+    moe_balancing: str = "quantile"
+    moe_aux_loss_alpha: float | None = None
+    moe_quantile_estimator: str = "exact"
+    moe_histogram_bins: int = 1000
+    moe_ema: float | None = None
+    moe_capacity_factor: float | None = None
     tie_embeddings: bool = False
     init_std: float = 0.02
 
@@ -90,6 +113,13 @@ class ModelConfig:
             if self.residual_blocks > units:
                 raise ValueError(f"model.residual_blocks={self.residual_blocks} exceeds the {units} {unit} "
                                  f"of the model (residual={self.residual!r})")
+        if self.ffn == "moe":
+            if not 1 <= self.moe_top_k <= self.moe_num_experts:
+                raise ValueError(f"model.moe_top_k must be in [1, moe_num_experts={self.moe_num_experts}], "
+                                 f"got {self.moe_top_k!r}")
+            if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+                raise ValueError(f"model.moe_capacity_factor must be None or > 0, got {self.moe_capacity_factor!r}")
+            self.balancing_config()
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kda_gate not in ("bounded", "softplus"):
@@ -98,6 +128,16 @@ class ModelConfig:
             raise ValueError(f"model.kda_lower_bound must be in [-5, 0), got {self.kda_lower_bound!r}")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps!r}")
+
+    def balancing_config(self):
+        """The `k3jax.ops.routing.BalancingConfig` of the MoE layers."""
+        from k3jax.ops.routing import BalancingConfig  # noqa: PLC0415
+        try:
+            return BalancingConfig(method=self.moe_balancing, aux_loss_alpha=self.moe_aux_loss_alpha,
+                                   quantile_estimator=self.moe_quantile_estimator,
+                                   histogram_bins=self.moe_histogram_bins, ema=self.moe_ema)
+        except ValueError as e:
+            raise ValueError(f"model.moe_balancing settings: {e}") from e
 
     @property
     def padded_vocab_size(self) -> int:

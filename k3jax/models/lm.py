@@ -35,7 +35,12 @@ def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs):
     dtype = _dtype(cfg.dtype)
     if cfg.ffn == "mlp":
         return SwiGLU(cfg.d_model, cfg.d_ff, dtype=dtype, rngs=rngs)
-    raise ValueError(f"model.ffn={cfg.ffn!r} is not available in this build")
+    from k3jax.nn.moe import MoEFeedForward  # noqa: PLC0415
+    return MoEFeedForward(cfg.d_model, cfg.moe_d_ff or cfg.d_ff, cfg.moe_num_experts, cfg.moe_top_k,
+                          num_shared_experts=cfg.moe_num_shared_experts, score_func=cfg.moe_score_func,
+                          routed_scaling_factor=cfg.moe_routed_scaling_factor,
+                          balancing=cfg.balancing_config(), capacity_factor=cfg.moe_capacity_factor,
+                          dtype=dtype, rngs=rngs)
 
 
 class LanguageModel(nnx.Module):

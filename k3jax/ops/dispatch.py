@@ -35,6 +35,8 @@ __all__ = [
     "permute",
     "register_grouped_matmul",
     "dropless_moe",
+    "expert_parallel_dropless_moe",
+    "Permutation",
 ]
 
 
@@ -309,3 +311,60 @@ def capacity_moe(
     y = jnp.take(out, dest, axis=0).reshape(num_tokens, top_k, d_model)
     w = weights.astype(jnp.float32) * disp.kept.astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, w), disp.dropped_fraction
+
+
+def expert_parallel_dropless_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    expert_axis: str,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Expert-parallel dropless MoE SwiGLU; call INSIDE ``jax.shard_map``.
+
+    Each of the P devices along ``expert_axis`` holds its own tokens and the ``E_l = E / P`` experts
+    ``[p·E_l, (p+1)·E_l)``. Rows go to the device owning their expert with one ``all_to_all``, run
+    through :func:`grouped_swiglu` there, come back with a second ``all_to_all`` and are combined
+    with the gate weights (GShard-style expert parallelism, Lepikhin et al. 2020). Send buffers are
+    padded to the worst case (all ``N_l·k`` local rows to one device), so nothing is ever dropped and
+    the result equals :func:`dropless_moe` on the gathered tokens; the padding costs ``P×`` buffer
+    memory and wire bytes (``jax.lax.ragged_all_to_all`` is the bandwidth-optimal replacement).
+
+    Args:
+      x: ``[N_l, D]`` local tokens. expert_ids: ``[N_l, k]`` int32 GLOBAL expert ids.
+      weights: ``[N_l, k]`` fp32. w_gate, w_up: ``[E_l, D, F]``; w_down: ``[E_l, F, D]`` (local).
+      expert_axis: mesh axis name the experts are sharded over.
+      implementation: grouped-matmul implementation (:func:`grouped_matmul`).
+
+    Returns:
+      ``[N_l, D]`` fp32.
+    """
+    num_local = w_gate.shape[0]
+    shards = jax.lax.axis_size(expert_axis)
+    num_tokens, top_k = expert_ids.shape
+    rows = num_tokens * top_k
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    dest = flat // num_local  # [rows] destination device along expert_axis
+    one_hot = jax.nn.one_hot(dest, shards, dtype=jnp.int32)
+    slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # position in dest buffer
+    send_index = dest * rows + slot  # unique per row
+    x_rows = jnp.repeat(x, top_k, axis=0)
+    send = jnp.zeros((shards * rows, x.shape[1]), x.dtype).at[send_index].set(x_rows)
+    send_ids = jnp.full((shards * rows,), num_local, jnp.int32).at[send_index].set(flat % num_local)
+    recv = jax.lax.all_to_all(send.reshape(shards, rows, -1), expert_axis, 0, 0, tiled=False)
+    recv_ids = jax.lax.all_to_all(send_ids.reshape(shards, rows), expert_axis, 0, 0, tiled=False)
+    recv = recv.reshape(shards * rows, -1)
+    recv_ids = recv_ids.reshape(-1)  # num_local = empty slot, sorted last
+    order = jnp.argsort(recv_ids, stable=True)
+    group_sizes = jnp.bincount(recv_ids, length=num_local).astype(jnp.int32)  # sentinel not counted
+    y_sorted = grouped_swiglu(
+        jnp.take(recv, order, axis=0), group_sizes, w_gate, w_up, w_down, implementation=implementation
+    )
+    y_recv = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    back = jax.lax.all_to_all(y_recv.reshape(shards, rows, -1), expert_axis, 0, 0, tiled=False)
+    y_rows = jnp.take(back.reshape(shards * rows, -1), send_index, axis=0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("nkd,nk->nd", y_rows, weights.astype(jnp.float32))
