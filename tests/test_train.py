@@ -127,6 +127,13 @@ def test_resume_gives_identical_losses(tmp_path):
     ma, step_a = load_trained_model(_cfg(tmp_path / "a", cache))
     mb, step_b = load_trained_model(_cfg(tmp_path / "b", cache))
     assert step_a == step_b == 20
+    out = subprocess.run([sys.executable, "-m", "experiments.generate", f"--workdir={tmp_path / 'b'}",
+                          "--prompt=import ", "--max_tokens=12", "--temperature=0", "--num_samples=2"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    samples = out.stdout.split("--- sample ")[1:]
+    assert len(samples) == 2 and "checkpoint step 20" in samples[0]
+    assert samples[0].split("\n", 1)[1] == samples[1].split("\n", 1)[1]  # greedy: identical
+    assert samples[0].split("\n", 1)[1].startswith("import ")
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ma)), nnx.to_pure_dict(nnx.state(mb)))
 
 
