@@ -115,9 +115,17 @@ def kda(
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm)
     if implementation == "pallas":
-        raise ValueError(
-            f"{implementation=} is unavailable: the Pallas KDA kernel (pallas_kernels/kda) is not built "
-            "yet; use implementation=None or 'chunked'")
+        # Explicit request only: None keeps "chunked", which measured faster on the H200 (2026-11-30,
+        # experiments/results/kda_pallas_notes.md). Unsupported calls raise with the kernel's reason.
+        from pallas_kernels.kda import ops as pallas_kda
+        ok, why = pallas_kda.supported(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,
+                                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                       initial_state=initial_state)
+        if not ok:
+            raise ValueError(f"{implementation=} cannot run this call: {why}")
+        return pallas_kda.kda_pallas(q, k, v, g, beta, lower_bound=lower_bound, scale=scale,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     chunk_size=chunk_size, interpret=interpret)
     if implementation == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **common)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **common)

@@ -14,8 +14,9 @@ recomputes the chunk factors and pushes them to dq, dk, dv, dbeta, dg:
   pair scores M_ij = sum_c a_ic b_jc e^{G_ic - G_jc}: with a~ = a e^{G - anc}, b~ = b e^{anc - G},
   da = e^{G-anc} (dM b~), db = e^{anc-G} (dM^T a~), dG_i += a~ (dM b~), dG_j -= b~ (dM^T a~),
   and dg = reverse cumsum of dG within the chunk (plus dG_last on every row).
-Diagonal tiles of the backward use fp32 operands with Precision.HIGHEST (IEEE fp32 on the Triton
-lowering); other backward dots use fp32 operands at default precision (TF32 on GPU).
+Diagonal tiles of the backward and the dL = -A^T dA A^T products use fp32 operands with
+Precision.HIGHEST (IEEE fp32 on the Triton lowering); the other backward dots use fp32 operands at
+`common.mm_precision(input dtype)`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs.
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ from pallas_kernels.kda.common import BT, F32, HIGHEST
 
 
 def _state_bwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h_ref, do_ref, dht_ref,
-                      dqg_ref, dkd_ref, dw_ref, du_ref, daqk_ref, dgl_ref, dh0_ref, *, chunk_size):
+                      dqg_ref, dkd_ref, dw_ref, du_ref, daqk_ref, dgl_ref, dh0_ref, *, chunk_size,
+                      precision):
     C = chunk_size
     NT = qg_ref.shape[0] // C
+
+    p = precision
 
     def body(i, dSt):                                   # dSt: [BV, K] grad of the state after chunk c
         c = NT - 1 - i
@@ -42,23 +46,23 @@ def _state_bwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h_ref, do_r
         w = w_ref[rows, :]
         qg = qg_ref[rows, :]
         kd = kd_ref[rows, :]
-        vp = u_ref[rows, :] - cm.dot_nt(w, St)
+        vp = u_ref[rows, :] - cm.dot_nt(w, St, p)
         do = do_ref[rows, :].astype(F32)
-        dvp = cm.dot_tn(aqk_ref[rows, :], do) + cm.dot_nt(kd, dSt)
+        dvp = cm.dot_tn(aqk_ref[rows, :], do, p) + cm.dot_nt(kd, dSt, p)
         du_ref[rows, :] = dvp
-        dw_ref[rows, :] = -cm.dot(dvp, St)
-        dqg_ref[rows, :] = cm.dot(do, St)
-        daqk_ref[rows, :] = cm.dot_nt(do, vp)
-        dkd_ref[rows, :] = cm.dot(vp, dSt)
+        dw_ref[rows, :] = -cm.dot(dvp, St, p)
+        dqg_ref[rows, :] = cm.dot(do, St, p)
+        daqk_ref[rows, :] = cm.dot_nt(do, vp, p)
+        dkd_ref[rows, :] = cm.dot(vp, dSt, p)
         gl = gl_ref[pl.ds(c, 1), :]
         dgl_ref[pl.ds(c, 1), :] = jnp.sum(St * dSt, axis=0, keepdims=True)
-        return cm.dot_tn(do, qg) + dSt * gl - cm.dot_tn(dvp, w)
+        return cm.dot_tn(do, qg, p) + dSt * gl - cm.dot_tn(dvp, w, p)
 
     dh0_ref[...] = lax.fori_loop(0, NT, body, dht_ref[...].astype(F32))
 
 
 def state_bwd(qg, kd, w, u, aqk, gl, h, do, dht, *, chunk_size: int, block_v: int,
-              interpret: bool):
+              interpret: bool, precision=None):
     """Reverse serial pass, one program per (batch, head, V-block).
 
     Args: intra_fwd outputs; h [B, H, NT, V, K] saved states; do [B, H, T, V]; dht [B, H, V, K].
@@ -81,7 +85,7 @@ def state_bwd(qg, kd, w, u, aqk, gl, h, do, dht, *, chunk_size: int, block_v: in
     pa = pl.BlockSpec((None, None, None, T, C), lambda b, hh, iv: (iv, b, hh, 0, 0))
     pg = pl.BlockSpec((None, None, None, NT, K), lambda b, hh, iv: (iv, b, hh, 0, 0))
     return pl.pallas_call(
-        functools.partial(_state_bwd_kernel, chunk_size=C), grid=(B, H, NV),
+        functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision), grid=(B, H, NV),
         in_specs=[fk, fk, fk, fv, fa, fg, fh, fv, fs],
         out_specs=[pk, pk, pk, fv, pa, pg, fs],
         out_shape=[jax.ShapeDtypeStruct((NV, B, H, T, K), F32)] * 3
@@ -123,13 +127,14 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
     # Recompute the chunk factors (forward precision, so A matches the forward's A).
     f = cm.chunk_factors(q, k, v, b, G, anc, scale=scale, dtype=dtype)
     A, X, Y, M = f["A"], f["X"], f["Y"], f["M"]
+    p = cm.mm_precision(dtype)
 
     # W = A X, U = A Y.
     dv = []
     for s in range(ns):
         dX = dY = None
         for r in range(s, ns):
-            tx, ty = cm.dot_tn(A[(r, s)], dW[r]), cm.dot_tn(A[(r, s)], dU[r])
+            tx, ty = cm.dot_tn(A[(r, s)], dW[r], p), cm.dot_tn(A[(r, s)], dU[r], p)
             dX = tx if dX is None else dX + tx
             dY = ty if dY is None else dY + ty
         dk[s] = dk[s] + b[s] * eG[s] * dX
@@ -137,15 +142,15 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
         dv.append(b[s] * dY)
         dbeta.append(jnp.sum(eG[s] * k[s] * dX, axis=1, keepdims=True)
                      + jnp.sum(v[s] * dY, axis=1, keepdims=True))
-    dA = {(p, qq): cm.dot_nt(dW[p], X[qq]) + cm.dot_nt(dU[p], Y[qq])
-          for p in range(ns) for qq in range(p + 1)}
+    dA = {(r, qq): cm.dot_nt(dW[r], X[qq], p) + cm.dot_nt(dU[r], Y[qq], p)
+          for r in range(ns) for qq in range(r + 1)}
     # dL = -A^T dA A^T on the lower block triangle: T1_rq = sum_{p >= r} A_pr^T dA_pq (q <= r).
     T1 = {}
     for r in range(ns):
         for qq in range(r + 1):
             acc = None
-            for p in range(r, ns):
-                t = cm.dot_tn(A[(p, r)], dA[(p, qq)], HIGHEST)
+            for m in range(r, ns):
+                t = cm.dot_tn(A[(m, r)], dA[(m, qq)], HIGHEST)
                 acc = t if acc is None else acc + t
             T1[(r, qq)] = acc
     strict = cm.mask(True)
@@ -167,7 +172,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
                 dmaqk = jnp.where(full, dmaqk, 0.0)
             dbeta[r] = dbeta[r] + jnp.sum(dL * M[(r, s)], axis=1, keepdims=True)
             dM = b[r] * dL
-            prec = HIGHEST if s == r else None
+            prec = HIGHEST if s == r else p
             es = jnp.exp(ar - G[s])
             kt_s = k[s] * es                       # b~ (k) for both M and Aqk
             da_m = cm.dot(dM, kt_s, prec)          # [BT, K]

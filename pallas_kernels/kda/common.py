@@ -33,6 +33,15 @@ HIGHEST = lax.Precision.HIGHEST
 COMPILER_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
+def mm_precision(dtype):
+    """Dot precision for the fp32-operand dots of a call with inputs of `dtype`.
+
+    fp32 inputs: Precision.HIGHEST (IEEE fp32 on the Triton lowering; fp32 in, fp32 math).
+    bf16 inputs: default (TF32 on GPU for the fp32 intermediates; the error budget is bf16's).
+    """
+    return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else None
+
+
 def mask(strict: bool) -> jax.Array:
     """[BT, BT] bool lower-triangular mask (i > j if strict else i >= j)."""
     i = lax.broadcasted_iota(jnp.int32, (BT, BT), 0)
@@ -89,7 +98,7 @@ def anchored(a, G, anc, sign: float, dtype):
     return (a.astype(F32) * jnp.exp(sign * (G - anc))).astype(dtype)
 
 
-def pair_tiles(a_tiles, b_tiles, G_tiles, anchors, *, strict: bool, dtype, diag_precision=None):
+def pair_tiles(a_tiles, b_tiles, G_tiles, anchors, *, strict: bool, dtype):
     """Lower block-triangle of M_ij = sum_c a_ic b_jc exp(G_ic - G_jc) (j < i if strict else j <= i).
 
     Returns a dict {(r, s): [BT, BT] fp32} for s <= r; diagonal tiles are masked with a select.
@@ -101,7 +110,7 @@ def pair_tiles(a_tiles, b_tiles, G_tiles, anchors, *, strict: bool, dtype, diag_
         a_r = anchored(a_tiles[r], G_tiles[r], anchors[r], 1.0, dtype)
         for s in range(r + 1):
             b_s = anchored(b_tiles[s], G_tiles[s], anchors[r], -1.0, dtype)
-            m = dot_nt(a_r, b_s, diag_precision if s == r else None)
+            m = dot_nt(a_r, b_s, mm_precision(dtype))
             if s == r:
                 m = jnp.where(mask(strict), m, 0.0)
             out[(r, s)] = m
@@ -151,6 +160,7 @@ def chunk_factors(q_tiles, k_tiles, v_tiles, b_tiles, G_tiles, anchors, *, scale
     Returns dict with M (unweighted k.k scores, strict), A, X (beta e^G k), Y (beta v), W, U, Aqk.
     """
     ns = len(k_tiles)
+    prec = mm_precision(dtype)
     M = pair_tiles(k_tiles, k_tiles, G_tiles, anchors, strict=True, dtype=dtype)
     L = {rs: b_tiles[rs[0]] * m for rs, m in M.items()}
     A = block_unit_lower_inverse(L)
@@ -160,7 +170,7 @@ def chunk_factors(q_tiles, k_tiles, v_tiles, b_tiles, G_tiles, anchors, *, scale
     for r in range(ns):
         w = u = None
         for s in range(r + 1):
-            tw, tu = dot(A[(r, s)], X[s]), dot(A[(r, s)], Y[s])
+            tw, tu = dot(A[(r, s)], X[s], prec), dot(A[(r, s)], Y[s], prec)
             w = tw if w is None else w + tw
             u = tu if u is None else u + tu
         W.append(w)

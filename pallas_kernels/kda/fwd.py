@@ -76,27 +76,28 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
 
 
 def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref,
-                      o_ref, h_ref, ht_ref, *, chunk_size):
+                      o_ref, h_ref, ht_ref, *, chunk_size, precision):
     C = chunk_size
     NT = qg_ref.shape[0] // C
 
     def body(c, St):                                    # St: [BV, K] fp32 state entering chunk c
         rows = pl.ds(c * C, C)
         h_ref[c] = St
-        vp = u_ref[rows, :] - cm.dot_nt(w_ref[rows, :], St)               # V' [C, BV]
-        o = cm.dot_nt(qg_ref[rows, :], St) + cm.dot(aqk_ref[rows, :], vp)
+        vp = u_ref[rows, :] - cm.dot_nt(w_ref[rows, :], St, precision)    # V' [C, BV]
+        o = cm.dot_nt(qg_ref[rows, :], St, precision) + cm.dot(aqk_ref[rows, :], vp, precision)
         o_ref[rows, :] = o.astype(o_ref.dtype)
         gl = gl_ref[pl.ds(c, 1), :]                                       # [1, K]
-        return St * gl + cm.dot_tn(vp, kd_ref[rows, :])
+        return St * gl + cm.dot_tn(vp, kd_ref[rows, :], precision)
 
     ht_ref[...] = jax.lax.fori_loop(0, NT, body, h0_ref[...].astype(F32))
 
 
 def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
-              interpret: bool):
+              interpret: bool, precision=None):
     """Serial pass over chunks, one program per (batch, head, V-block); fp32 state in registers.
 
-    Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state).
+    Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state); precision of the
+      fp32 dots (common.mm_precision of the input dtype).
     Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] fp32 (state entering each chunk, saved
       for the backward); ht [B, H, V, K] fp32 (final state, transposed).
     """
@@ -112,7 +113,7 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     fs = pl.BlockSpec((None, None, BV, K), lambda b, h, iv: (b, h, iv, 0))
     fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
     return pl.pallas_call(
-        functools.partial(_state_fwd_kernel, chunk_size=C), grid=(B, H, V // BV),
+        functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision), grid=(B, H, V // BV),
         in_specs=[fk, fk, fk, fv, fa, fg, fs],
         out_specs=[fv, fh, fs],
         out_shape=[jax.ShapeDtypeStruct((B, H, T, V), out_dtype),

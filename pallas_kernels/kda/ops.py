@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, fwd
+from pallas_kernels.kda import bwd, common, fwd
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -77,7 +77,7 @@ def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
 def _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret)
     o, h, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
-                             interpret=interpret)
+                             interpret=interpret, precision=common.mm_precision(q.dtype))
     return o, ht, h
 
 
@@ -93,7 +93,7 @@ def _core_bwd(scale, chunk_size, block_v, interpret, res, cts):
                                           interpret=interpret)
     dqg, dkd, dw, du, daqk, dgl, dh0 = bwd.state_bwd(
         qg, kd, w, u, aqk, gl, h, do, dht, chunk_size=chunk_size, block_v=block_v,
-        interpret=interpret)
+        interpret=interpret, precision=common.mm_precision(q.dtype))
     dqg, dkd, dw, daqk, dgl = (x.sum(0) for x in (dqg, dkd, dw, daqk, dgl))
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl,
                                           scale=scale, chunk_size=chunk_size, interpret=interpret)
