@@ -125,3 +125,44 @@ def test_constructor_validation():
         MoEFeedForward(D, F, E, K, dispatch_implementation="triton", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs top_k < num_experts"):
         MoEFeedForward(D, F, 4, 4, balancing=BalancingConfig(method="quantile"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("method,estimator", [("quantile", "histogram"), ("aux_loss", "exact"), ("quantile_threshold", "exact")])
+def test_expert_parallel_equals_single_device(method, estimator):
+    """Mesh (data=2, expert=4) on 8 CPU devices: output, aux (loss, next bias, stats) and gradients
+    w.r.t. every parameter and the input equal the single-device module (same init)."""
+    from k3jax import sharding as S
+
+    mesh = S.make_mesh(2, 4)
+    kw = dict(balancing=BalancingConfig(method=method, quantile_estimator=estimator), dtype=jnp.float32,
+              num_shared_experts=1)
+    ref = MoEFeedForward(D, F, E, K, rngs=nnx.Rngs(0), **kw)
+    ep = MoEFeedForward(D, F, E, K, rngs=nnx.Rngs(0), mesh=mesh, **kw)
+    for name in ("w_gate", "w_up", "w_down"):
+        v = getattr(ep, name)
+        v.set_value(jax.device_put(v.get_value(), S.expert_sharding(mesh, 3)))
+    for name in ("router", "router_bias", "shared_gate", "shared_up", "shared_down"):
+        v = getattr(ep, name)
+        v.set_value(jax.device_put(v.get_value(), S.replicated(mesh)))
+    if ep.balancing_state is not None:
+        ep.balancing_state.set_value(jax.device_put(ep.balancing_state.get_value(), S.replicated(mesh)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 6, D))
+    seg = jnp.ones((8, 6), jnp.int32).at[3, 4:].set(0)
+    cot = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+
+    def loss(m, x, seg):
+        y, aux = m(x, segment_ids=seg)
+        return jnp.sum(y * cot) + aux["loss"], aux
+
+    vg = nnx.jit(lambda m, x, seg: nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x, seg))
+    (l0, a0), g0 = vg(ref, x, seg)
+    (l1, a1), g1 = vg(ep, jax.device_put(x, S.token_sharding(mesh, 3)), jax.device_put(seg, S.token_sharding(mesh, 2)))
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(a1["loss"], a0["loss"], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(a1["next_bias"], a0["next_bias"], atol=1e-7)
+    for key in a0["stats"]:
+        np.testing.assert_allclose(a1["stats"][key], a0["stats"][key], rtol=1e-6, err_msg=key)
+    leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+    assert len(leaves0) == len(leaves1) == 8  # 7 params + x
+    for a, b in zip(leaves0, leaves1):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))

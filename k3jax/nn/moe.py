@@ -13,12 +13,15 @@ writes them back (``ffn.router_bias[...] = aux["next_bias"]``); evaluation ignor
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from k3jax import sharding as sharding_lib
 from k3jax.ops import dispatch as dispatch_ops
 from k3jax.ops import routing as routing_ops
 from k3jax.ops.routing import BalancingConfig
@@ -58,6 +61,10 @@ class MoEFeedForward(nnx.Module):
         :func:`k3jax.ops.dispatch.grouped_matmul`), None = default.
       dtype: compute dtype of the expert matmuls (bf16; fp32 accumulation). The router runs in fp32.
       param_dtype: parameter dtype (fp32).
+      mesh: None (single device / plain ``jax.jit``), or a ``(data, expert)`` mesh from
+        :func:`k3jax.sharding.make_mesh`: the layer then runs under ``jax.shard_map`` with tokens
+        (batch dim) sharded over both axes, experts over ``"expert"`` (two ``all_to_all``), and every
+        balancing statistic psum'ed over both axes. Dropless only; E and the batch must divide.
       rngs: ``nnx.Rngs``.
 
     Raises:
@@ -79,6 +86,7 @@ class MoEFeedForward(nnx.Module):
         dispatch_implementation: str | None = None,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
     ):
         if min(d_model, d_ff, num_experts) < 1:
@@ -101,6 +109,14 @@ class MoEFeedForward(nnx.Module):
                 f"dispatch_implementation must be None or one of "
                 f"{sorted(dispatch_ops.GROUPED_MATMUL_IMPLEMENTATIONS)}; got {dispatch_implementation=}"
             )
+        if mesh is not None:
+            if capacity_factor is not None:
+                raise ValueError("expert parallelism (mesh) supports dropless dispatch only: capacity_factor=None")
+            if tuple(mesh.axis_names) != sharding_lib.TOKEN_AXES:
+                raise ValueError(f"mesh axes must be {sharding_lib.TOKEN_AXES}; got {mesh.axis_names=}")
+            if num_experts % mesh.shape[sharding_lib.EXPERT]:
+                raise ValueError(f"num_experts must divide by the expert axis; got {num_experts=}, {mesh.shape=}")
+        self.mesh = mesh
         self.d_model = d_model
         self.d_ff = d_ff
         self.num_experts = num_experts
@@ -166,11 +182,44 @@ class MoEFeedForward(nnx.Module):
             token_mask = (segment_ids != 0).reshape(num_tokens)
         else:
             token_mask = None
-        xf = x.reshape(num_tokens, d_model)
+        if token_mask is None:
+            token_mask = jnp.ones((num_tokens,), jnp.bool_)
         bias = self.router_bias.get_value()
         state = self.balancing_state.get_value() if self.balancing_state is not None else None
+        experts = tuple(v.get_value() for v in (self.w_gate, self.w_up, self.w_down))
+        shared = None
+        if self.shared_gate is not None:
+            shared = tuple(v.get_value() for v in (self.shared_gate, self.shared_up, self.shared_down))
+        router = self.router.get_value()
+        mask = token_mask.reshape(batch, seq_len)
+        if self.mesh is None:
+            y, out, dropped = self._apply(x, mask, router, bias, state, experts, shared, axis_names=(), expert_axis=None)
+        else:
+            tok = P(sharding_lib.TOKEN_AXES)
+            exp = P(sharding_lib.EXPERT)
+            fn = functools.partial(self._apply, axis_names=sharding_lib.TOKEN_AXES, expert_axis=sharding_lib.EXPERT)
+            y, out, dropped = jax.shard_map(
+                fn,
+                mesh=self.mesh,
+                in_specs=(tok, tok, P(), P(), P(), (exp, exp, exp), P()),
+                out_specs=(tok, P(), P()),
+            )(x, mask, router, bias, state, experts, shared)
+        stats = dict(out.stats)
+        stats["dropped_fraction"] = dropped
+        if train:
+            next_bias, next_state = out.next_bias, out.next_state
+        else:
+            next_bias, next_state = bias, state
+        aux = {"loss": out.loss, "next_bias": next_bias, "next_state": next_state, "stats": stats}
+        return y, aux
 
-        logits = jnp.dot(xf.astype(jnp.float32), self.router.get_value().astype(jnp.float32))
+    def _apply(self, x, mask, router, bias, state, experts, shared, *, axis_names, expert_axis):
+        """Routing, balancing and experts on (local) arrays; ``x [b, T, D]``, ``mask [b, T]`` bool."""
+        batch, seq_len, d_model = x.shape
+        num_tokens = batch * seq_len
+        token_mask = mask.reshape(num_tokens)
+        xf = x.reshape(num_tokens, d_model)
+        logits = jnp.dot(xf.astype(jnp.float32), router.astype(jnp.float32))
         scores = routing_ops.router_scores(logits, self.score_func)
         demand = None
         if self.balancing.method == "quantile_threshold":
@@ -180,6 +229,7 @@ class MoEFeedForward(nnx.Module):
                 high_percentile=b.high_percentile, low_percentile=b.low_percentile,
                 tolerance=b.tolerance, priority_boost=b.priority_boost, score_func=self.score_func,
                 routed_scaling_factor=self.routed_scaling_factor, token_mask=token_mask,
+                axis_names=axis_names,
             )
         else:
             routing = routing_ops.route(
@@ -188,14 +238,17 @@ class MoEFeedForward(nnx.Module):
             )
         out = routing_ops.balance(
             self.balancing, scores, routing, bias, state, score_func=self.score_func,
-            token_mask=token_mask, sequence_length=seq_len, demand_loads=demand,
+            token_mask=token_mask, sequence_length=seq_len, demand_loads=demand, axis_names=axis_names,
         )
-
         xc = xf.astype(self.dtype)
-        w_gate = self.w_gate.get_value().astype(self.dtype)
-        w_up = self.w_up.get_value().astype(self.dtype)
-        w_down = self.w_down.get_value().astype(self.dtype)
-        if self.capacity_factor is None:
+        w_gate, w_up, w_down = (w.astype(self.dtype) for w in experts)
+        if expert_axis is not None:
+            y = dispatch_ops.expert_parallel_dropless_moe(
+                xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
+                expert_axis=expert_axis, implementation=self.dispatch_implementation,
+            )
+            dropped = jnp.float32(0.0)
+        elif self.capacity_factor is None:
             y = dispatch_ops.dropless_moe(
                 xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
                 implementation=self.dispatch_implementation,
@@ -206,17 +259,10 @@ class MoEFeedForward(nnx.Module):
                 xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
                 self.capacity_factor, token_mask=token_mask,
             )
-        if self.shared_gate is not None:
-            g = jnp.dot(xc, self.shared_gate.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
-            u = jnp.dot(xc, self.shared_up.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
+        if shared is not None:
+            g_w, u_w, d_w = (w.astype(self.dtype) for w in shared)
+            g = jnp.dot(xc, g_w, preferred_element_type=jnp.float32)
+            u = jnp.dot(xc, u_w, preferred_element_type=jnp.float32)
             h = (jax.nn.silu(g) * u).astype(self.dtype)
-            y = y + jnp.dot(h, self.shared_down.get_value().astype(self.dtype), preferred_element_type=jnp.float32)
-
-        stats = dict(out.stats)
-        stats["dropped_fraction"] = dropped
-        if train:
-            next_bias, next_state = out.next_bias, out.next_state
-        else:
-            next_bias, next_state = bias, state
-        aux = {"loss": out.loss, "next_bias": next_bias, "next_state": next_state, "stats": stats}
-        return y.reshape(batch, seq_len, d_model).astype(x.dtype), aux
+            y = y + jnp.dot(h, d_w, preferred_element_type=jnp.float32)
+        return y.reshape(batch, seq_len, d_model).astype(x.dtype), out, dropped

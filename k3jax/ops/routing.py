@@ -208,6 +208,15 @@ def _psum(x: jax.Array, axis_names: Sequence[str]) -> jax.Array:
     return jax.lax.psum(x, tuple(axis_names)) if axis_names else x
 
 
+def _gather_tokens(x: jax.Array, axis_names: Sequence[str]) -> jax.Array:
+    """All-gather ``x [n, ...]`` along dim 0 over ``axis_names`` in device order (first axis major),
+    as a psum of zero-padded slots so the result is device-invariant (shard_map's vma check)."""
+    size = math.prod(jax.lax.axis_size(a) for a in axis_names)
+    index = jax.lax.axis_index(tuple(axis_names))
+    buf = jnp.zeros((size,) + x.shape, x.dtype).at[index].set(x)
+    return jax.lax.psum(buf, tuple(axis_names)).reshape((size * x.shape[0],) + x.shape[1:])
+
+
 def expert_loads(
     expert_ids: jax.Array,
     num_experts: int,
@@ -454,8 +463,8 @@ def _exact_quantile(
     margins: jax.Array, mask: jax.Array, level: float, axis_names: Sequence[str]
 ) -> tuple[jax.Array, jax.Array]:
     if axis_names:
-        margins = jax.lax.all_gather(margins, tuple(axis_names), axis=0, tiled=True)
-        mask = jax.lax.all_gather(mask, tuple(axis_names), axis=0, tiled=True)
+        margins = _gather_tokens(margins, axis_names)
+        mask = _gather_tokens(mask.astype(jnp.int32), axis_names).astype(jnp.bool_)
     masked = jnp.where(mask[:, None], margins, jnp.inf)
     srt = jnp.sort(masked, axis=0)  # valid values first
     n = jnp.sum(mask.astype(jnp.int32))
@@ -606,7 +615,7 @@ def threshold_route(
        a fixed share of experts even at perfect balance; with it a balanced step diverts nothing;
     4. priority: underloaded experts get ``+priority_boost`` on their selection score; top-k again;
     5. diversion in token order (row order of ``scores``, i.e. sequence-major, slot order inside a
-       token): an overloaded expert keeps its first ``C_j = floor(θ_hi · N_valid · k / E)`` slots;
+       token; inside ``shard_map`` the global order, devices in ``axis_names`` order): an overloaded expert keeps its first ``C_j = floor(θ_hi · N_valid · k / E)`` slots;
        every later slot is shed to the token's best not-yet-selected, not-overloaded expert (by the
        boosted score); if none is left the slot stays. One pass: a receiving expert is not re-checked.
 
@@ -671,11 +680,15 @@ def threshold_route(
     chosen = order[:, :top_k]
     candidates = order[:, top_k:]  # [N, E - k]
 
-    # 5: token-order capacity on overloaded experts.
-    n_valid = jnp.sum(mask.astype(jnp.float32))
+    # 5: token-order capacity on overloaded experts (global token order across devices).
+    n_valid = _psum(jnp.sum(mask.astype(jnp.float32)), axis_names)
     cap = jnp.floor(theta_hi * n_valid * top_k / num_experts)
     one_hot = jax.nn.one_hot(chosen, num_experts, dtype=jnp.int32) * mask[:, None, None]
     position = jnp.cumsum(one_hot.reshape(-1, num_experts), axis=0).reshape(one_hot.shape) - 1
+    if axis_names:  # rows on earlier devices come first
+        counts = _gather_tokens(jnp.sum(one_hot, axis=(0, 1))[None], axis_names)  # [P, E]
+        before = jnp.arange(counts.shape[0]) < jax.lax.axis_index(tuple(axis_names))
+        position = position + jnp.sum(counts * before[:, None], axis=0)[None, None, :]
     position = jnp.sum(position * one_hot, axis=-1)  # [N, k] 0-based rank in token order
     shed = over[chosen] & (position.astype(jnp.float32) >= cap) & mask[:, None]
     cand_ok = ~over[candidates]

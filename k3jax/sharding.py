@@ -1,0 +1,58 @@
+"""Mesh axes and helpers for data + expert parallelism.
+
+Logical layout (GShard / DeepSeek-V3 style expert parallelism):
+
+- mesh axes ``("data", "expert")``, both with ``AxisType.Explicit``;
+- tokens (the batch dimension) are sharded over BOTH axes (``TOKEN_AXES``): every device holds its own
+  tokens, so the expert axis also does data parallelism outside the MoE layers;
+- routed expert weights ``[E, ...]`` are sharded over ``"expert"`` and replicated over ``"data"``;
+  everything else (router, attention, embeddings) is replicated; gradients are averaged by ``jax.jit``.
+- balancing statistics (loads, histograms, aux-loss terms) are ``psum``-ed over ``TOKEN_AXES``.
+
+The MoE layer runs under ``jax.shard_map`` (:func:`k3jax.ops.dispatch.expert_parallel_dropless_moe`:
+two ``all_to_all`` over ``"expert"``); the rest is plain ``jax.jit`` with shardings.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA = "data"
+EXPERT = "expert"
+TOKEN_AXES = (DATA, EXPERT)
+
+__all__ = ["DATA", "EXPERT", "TOKEN_AXES", "expert_sharding", "make_mesh", "replicated", "token_sharding"]
+
+
+def make_mesh(data: int, expert: int, *, devices=None) -> Mesh:
+    """A ``(data, expert)`` mesh with explicit axis types.
+
+    Args:
+      data, expert: axis sizes; ``data · expert`` must equal the number of devices used.
+      devices: optional device list (default: ``jax.devices()``).
+
+    Raises:
+      ValueError: sizes < 1 or the product does not match the device count.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    if data < 1 or expert < 1 or data * expert != len(devices):
+        raise ValueError(f"need data·expert == {len(devices)} devices; got {data=}, {expert=}")
+    return jax.make_mesh(
+        (data, expert), (DATA, EXPERT), axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices
+    )
+
+
+def token_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Sharding of a ``[B, ...]`` token array: batch over ``TOKEN_AXES``, the rest replicated."""
+    return NamedSharding(mesh, P(TOKEN_AXES, *([None] * (ndim - 1))))
+
+
+def expert_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Sharding of a ``[E, ...]`` expert weight: experts over ``"expert"``, replicated over ``"data"``."""
+    return NamedSharding(mesh, P(EXPERT, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding."""
+    return NamedSharding(mesh, P())
