@@ -1,0 +1,295 @@
+"""KDA ops: the oracle against an fp64 numpy loop, and every implementation against the oracle.
+
+`KDAImplementationTests` holds the comparisons; each implementation subclasses it and sets
+`implementation` (and, if needed, overrides `run`). The oracle (`kda_recurrent`) is itself checked
+against a plain fp64 numpy loop and the decode step.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from k3jax.ops.kda import kda, kda_chunked, kda_decode_step, kda_gate, kda_recurrent
+from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES, assert_rms_close,
+                               kda_loss_and_grads, make_kda_inputs, rms_ratio)
+
+
+# ----------------------------------------------------------------------------------------- oracle
+def numpy_kda(q, k, v, g, beta, h0, segment_ids, scale):
+    """Plain fp64 loop over tokens (decay, delta rule, output), one head at a time."""
+    q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
+    B, T, H, K = q.shape
+    o = np.zeros(v.shape)
+    S_all = h0.copy()
+    for b in range(B):
+        for h in range(H):
+            S = S_all[b, h].copy()
+            for t in range(T):
+                if t > 0 and segment_ids[b, t] != segment_ids[b, t - 1]:
+                    S = np.zeros_like(S)
+                S = S * np.exp(g[b, t, h])[:, None]
+                S = S + beta[b, t, h] * np.outer(k[b, t, h], v[b, t, h] - k[b, t, h] @ S)
+                o[b, t, h] = (scale * q[b, t, h]) @ S
+            S_all[b, h] = S
+    return o, S_all
+
+
+def test_recurrent_matches_fp64_numpy_loop():
+    x = make_kda_inputs(jax.random.PRNGKey(1), 2, 37, 2, 6, 5, gate="softplus")
+    seg = np.array([[0] * 10 + [1] * 20 + [0] * 7, [3] * 37])
+    o, ht = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                          output_final_state=True, segment_ids=jnp.asarray(seg, jnp.int32))
+    o_ref, ht_ref = numpy_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], seg, 6 ** -0.5)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ht, ht_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_chain_equals_recurrence():
+    x = make_kda_inputs(jax.random.PRNGKey(2), 2, 29, 3, 8, 12, gate="bounded")
+    o_ref, ht_ref = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                  output_final_state=True, use_qk_l2norm=True)
+    step = jax.jit(functools.partial(kda_decode_step, use_qk_l2norm=True))
+    S, outs = x["h0"], []
+    for t in range(29):
+        o_t, S = step(x["q"][:, t], x["k"][:, t], x["v"][:, t], x["g"][:, t], x["beta"][:, t], S)
+        outs.append(o_t)
+    np.testing.assert_allclose(jnp.stack(outs, axis=1), o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(S, ht_ref, rtol=1e-5, atol=1e-5)
+    assert S.dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------- gate
+def test_gate_values_both_parameterisations():
+    rng = np.random.default_rng(0)
+    g_raw = rng.normal(size=(2, 5, 3, 4)).astype(np.float32) * 4
+    A_log = rng.normal(size=(3,)).astype(np.float32)
+    dt_bias = rng.normal(size=(12,)).astype(np.float32)
+    x = g_raw + dt_bias.reshape(3, 4)
+    A = np.exp(A_log)[:, None]
+    soft = -A * np.logaddexp(0.0, x)
+    bounded = -3.5 / (1.0 + np.exp(-A * x))
+    np.testing.assert_allclose(kda_gate(g_raw, A_log, dt_bias), soft, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kda_gate(g_raw, A_log, dt_bias.reshape(3, 4), lower_bound=-3.5), bounded,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kda_gate(g_raw, A_log), -A * np.logaddexp(0.0, g_raw), rtol=1e-5, atol=1e-6)
+    gb = kda_gate(jnp.asarray(g_raw, jnp.bfloat16) * 100, A_log, lower_bound=-5.0)
+    assert gb.dtype == jnp.float32
+    assert float(gb.min()) >= -5.0 and float(gb.max()) <= 0.0
+
+
+@pytest.mark.parametrize("lower_bound", [-5.5, 0.0, 0.3, -10])
+def test_gate_rejects_lower_bound_outside_range(lower_bound):
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_gate(jnp.zeros((1, 2, 3, 4)), jnp.zeros((3,)), lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("arg,kwargs", [("A_log", dict(A_log=jnp.zeros((4,)))),
+                                        ("dt_bias", dict(dt_bias=jnp.zeros((5,)))),
+                                        ("g_raw", dict(g_raw=jnp.zeros((2, 3, 4))))])
+def test_gate_rejects_bad_shapes(arg, kwargs):
+    args = dict(g_raw=jnp.zeros((1, 2, 3, 4)), A_log=jnp.zeros((3,)), dt_bias=None) | kwargs
+    with pytest.raises(ValueError, match=arg):
+        kda_gate(args["g_raw"], args["A_log"], args["dt_bias"])
+
+
+# ------------------------------------------------------------------------------- dispatch / inputs
+_SMALL = dict(q=(1, 20, 2, 8), k=(1, 20, 2, 8), v=(1, 20, 2, 6), g=(1, 20, 2, 8), beta=(1, 20, 2))
+
+
+@pytest.mark.parametrize("arg,change", [
+    ("k", dict(k=(1, 20, 2, 7))), ("v", dict(v=(1, 19, 2, 6))), ("g", dict(g=(1, 20, 3, 8))),
+    ("beta", dict(beta=(1, 20))), ("initial_state", dict(initial_state=(1, 2, 6, 8))),
+    ("segment_ids", dict(segment_ids=(1, 21))), ("q", dict(q=(20, 2, 8))),
+])
+@pytest.mark.parametrize("implementation", ["recurrent", "chunked"])
+def test_bad_shapes_raise_naming_the_argument(arg, change, implementation):
+    shapes = _SMALL | change
+    arrays = {n: jnp.zeros(s) for n, s in shapes.items() if n in _SMALL}
+    kwargs = {}
+    if "initial_state" in shapes:
+        kwargs["initial_state"] = jnp.zeros(shapes["initial_state"])
+    if "segment_ids" in shapes:
+        kwargs["segment_ids"] = jnp.zeros(shapes["segment_ids"], jnp.int32)
+    with pytest.raises(ValueError, match=arg):
+        kda(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"], implementation=implementation,
+            **kwargs)
+
+
+@pytest.mark.parametrize("arg,kwargs", [
+    ("chunk_size", dict(chunk_size=48)), ("chunk_size", dict(chunk_size=8)), ("chunk_size", dict(chunk_size=0)),
+    ("lower_bound", dict(lower_bound=-6.0)), ("lower_bound", dict(lower_bound=0.0)),
+    ("lower_bound", dict(lower_bound=1.0)), ("implementation", dict(implementation="triton")),
+    ("implementation", dict(implementation="pallas")),
+])
+def test_bad_options_raise_naming_the_argument(arg, kwargs):
+    arrays = {n: jnp.zeros(s) for n, s in _SMALL.items()}
+    with pytest.raises(ValueError, match=arg):
+        kda(*arrays.values(), **kwargs)
+    if "implementation" not in kwargs:
+        with pytest.raises(ValueError, match=arg):
+            kda_chunked(*arrays.values(), **kwargs)
+
+
+def test_decode_step_rejects_bad_shapes():
+    q = jnp.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match="state"):
+        kda_decode_step(q, q, jnp.zeros((2, 3, 5)), q, jnp.zeros((2, 3)), jnp.zeros((2, 3, 5, 4)))
+    with pytest.raises(ValueError, match="beta"):
+        kda_decode_step(q, q, jnp.zeros((2, 3, 5)), q, jnp.zeros((2,)), jnp.zeros((2, 3, 4, 5)))
+
+
+def test_default_implementation_is_chunked_and_matches():
+    x = make_kda_inputs(jax.random.PRNGKey(3), 1, 40, 2, 16)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o_default, _ = kda(*args)
+    o_chunked, _ = kda_chunked(*args)
+    np.testing.assert_array_equal(o_default, o_chunked)
+
+
+# ------------------------------------------------------------------------ implementation tests
+@functools.lru_cache(maxsize=None)
+def _fla_case(shape, gate):
+    """Inputs (bf16-representable), upstream grads and the fp32 oracle's (o, ht, grads); cached so the
+    fp32 and bf16 tests of one shape share the oracle run."""
+    B, T, H, K = shape
+    key = jax.random.PRNGKey(zlib.crc32(repr((shape, gate)).encode()))
+    x = make_kda_inputs(key, B, T, H, K, gate=gate, dtype=jnp.bfloat16)
+    x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
+    kd, kh = jax.random.split(jax.random.fold_in(key, 1))
+    do = jax.random.normal(kd, (B, T, H, K))
+    dht = jax.random.normal(kh, (B, H, K, K))
+
+    @jax.jit
+    def ref(inputs):
+        return kda_loss_and_grads(
+            lambda q, k, v, g, beta, h0: kda_recurrent(q, k, v, g, beta, initial_state=h0,
+                                                       output_final_state=True), inputs, do, dht)
+    return x, x32, do, dht, jax.device_get(ref(x32))
+
+
+_SLOW_T = 1000
+FLA_CASES = [pytest.param(s, marks=pytest.mark.slow) if s[1] >= _SLOW_T else s for s in FLA_SHAPES]
+
+
+class KDAImplementationTests:
+    """Comparisons every KDA implementation must pass; subclass and set `implementation`.
+
+    `run(q, k, v, g, beta, **kwargs)` calls the implementation under test with `kda`'s keywords.
+    """
+
+    implementation: str = ""
+    chunk_size: int = 64
+
+    def run(self, q, k, v, g, beta, **kwargs):
+        kwargs.setdefault("chunk_size", self.chunk_size)
+        return kda(q, k, v, g, beta, implementation=self.implementation, **kwargs)
+
+    @staticmethod
+    def _lower_bound(gate):
+        return -5.0 if gate == "bounded" else None
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("gate", ["bounded", "softplus"])
+    @pytest.mark.parametrize("shape", FLA_CASES)
+    def test_matches_recurrent_on_fla_shapes(self, shape, gate, dtype):
+        x, x32, do, dht, (o_ref, ht_ref, g_ref) = _fla_case(shape, gate)
+        inputs = x32 if dtype == "float32" else x
+        lb = self._lower_bound(gate)
+
+        @jax.jit
+        def under_test(inputs):
+            return kda_loss_and_grads(
+                lambda q, k, v, g, beta, h0: self.run(q, k, v, g, beta, initial_state=h0,
+                                                      output_final_state=True, lower_bound=lb),
+                inputs, do, dht)
+        o, ht, grads = under_test(inputs)
+        assert o.dtype == jnp.dtype(dtype) and ht.dtype == jnp.float32
+        tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+        errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
+        for name in GRAD_NAMES:
+            errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
+        print(f"\nKDA_ERRORS {self.implementation} {shape} {gate} {dtype} "
+              + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+    @pytest.mark.parametrize("gate", ["bounded", "softplus"])
+    def test_segment_ids_equal_each_document_alone(self, gate):
+        B, T, H, K, V = 2, 157, 2, 20, 12
+        x = make_kda_inputs(jax.random.PRNGKey(5), B, T, H, K, V, gate=gate)
+        bounds = [[0, 16, 17, 64, 100, 157], [0, 3, 130, 157]]          # tile/chunk edges and mid-tile
+        seg = np.zeros((B, T), np.int32)
+        for b, cuts in enumerate(bounds):
+            for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+                seg[b, s:e] = i % 2                                      # ids repeat: a change is a restart
+        o, ht = jax.jit(lambda x, seg: self.run(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+            segment_ids=seg, lower_bound=self._lower_bound(gate)))(x, jnp.asarray(seg))
+        for b, cuts in enumerate(bounds):
+            for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):        # each document alone, fp64 loop
+                h0 = x["h0"][b:b + 1] if i == 0 else np.zeros((1, H, K, V))
+                o_doc, ht_doc = numpy_kda(*(x[n][b:b + 1, s:e] for n in ("q", "k", "v", "g", "beta")), h0,
+                                          np.zeros((1, e - s), np.int32), K ** -0.5)
+                np.testing.assert_allclose(o[b:b + 1, s:e], o_doc, rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(ht[b:b + 1], ht_doc, rtol=1e-4, atol=2e-5)
+
+    @pytest.mark.parametrize("gate", ["bounded", "softplus"])
+    def test_future_gates_do_not_change_past_outputs(self, gate):
+        B, T, H, K = 1, 150, 2, 16
+        x = make_kda_inputs(jax.random.PRNGKey(6), B, T, H, K, gate=gate)
+        lb = self._lower_bound(gate)
+        fn = jax.jit(lambda g: self.run(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
+                                        lower_bound=lb)[0])
+        for t in (0, 40, 70, 127):                                        # tile start, mid-tile, chunk edge
+            g2 = x["g"].at[:, t + 1:].set(jnp.minimum(x["g"][:, t + 1:] * 0.3 - 1.0, 0.0).clip(-5.0))
+            o1, o2 = fn(x["g"]), fn(g2)
+            np.testing.assert_array_equal(o1[:, :t + 1], o2[:, :t + 1])
+            assert not np.array_equal(o1[:, t + 1:], o2[:, t + 1:])
+
+    @pytest.mark.parametrize("gate", ["bounded", "softplus"])
+    def test_check_grads_fp64(self, gate):
+        with jax.enable_x64(True):
+            x = make_kda_inputs(jax.random.PRNGKey(7), 1, 21, 2, 5, 3, gate=gate)
+            x = {n: a.astype(jnp.float64) for n, a in x.items()}
+            seg = jnp.asarray([[0] * 13 + [1] * 8], jnp.int32)
+            lb = self._lower_bound(gate)
+
+            def f(q, k, v, g, beta, h0):
+                o, ht = self.run(q, k, v, g, beta, initial_state=h0, output_final_state=True, segment_ids=seg,
+                                 use_qk_l2norm=True, lower_bound=lb)
+                return o, ht
+            f = jax.jit(f)
+            o, _ = f(*x.values())
+            assert o.dtype == jnp.float64
+            check_grads(f, tuple(x.values()), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+    def test_odd_sizes_and_options(self):
+        B, T, H, K, V = 2, 45, 3, 12, 7
+        x = make_kda_inputs(jax.random.PRNGKey(8), B, T, H, K, V)
+        args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        kw = dict(scale=0.37, use_qk_l2norm=True, output_final_state=True)
+        o_ref, ht_ref = jax.jit(lambda a: kda_recurrent(*a, **kw))(args)
+        for lb, cs in ((-5.0, 16), (None, 32)):                           # both diagonal paths, other chunks
+            o, ht = jax.jit(lambda a: self.run(*a, lower_bound=lb, chunk_size=cs, **kw))(args)
+            assert rms_ratio(o_ref, o) < FP32_TOLERANCE and rms_ratio(ht_ref, ht) < FP32_TOLERANCE
+        o_none, ht_none = self.run(*args)
+        assert ht_none is None and o_none.shape == (B, T, H, V)
+
+
+class TestRecurrentOracle:
+    """The oracle's own semantics beyond the numpy loop: padding blocks and dtypes."""
+
+    def test_output_dtype_and_state(self):
+        x = make_kda_inputs(jax.random.PRNGKey(9), 1, 70, 1, 8, dtype=jnp.bfloat16)
+        o, ht = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
+        assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32 and ht.shape == (1, 1, 8, 8)
+        o2, _ = kda_recurrent(x["q"][:, :64], x["k"][:, :64], x["v"][:, :64], x["g"][:, :64], x["beta"][:, :64])
+        np.testing.assert_array_equal(o[:, :64], o2)
+
+
+class TestChunked(KDAImplementationTests):
+    implementation = "chunked"
