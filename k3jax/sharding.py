@@ -22,7 +22,10 @@ DATA = "data"
 EXPERT = "expert"
 TOKEN_AXES = (DATA, EXPERT)
 
-__all__ = ["DATA", "EXPERT", "TOKEN_AXES", "expert_sharding", "make_mesh", "replicated", "token_sharding"]
+__all__ = [
+    "DATA", "EXPERT", "TOKEN_AXES", "expert_sharding", "initialize_distributed", "make_mesh", "replicated",
+    "token_sharding",
+]
 
 
 def make_mesh(data: int, expert: int, *, devices=None) -> Mesh:
@@ -56,3 +59,26 @@ def expert_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """Fully replicated sharding."""
     return NamedSharding(mesh, P())
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Multi-process (multi-host) start-up: ``jax.distributed.initialize`` for every backend.
+
+    Call once per process before any other JAX work. It selects gloo as the CPU backend's
+    collectives so ``psum``/``all_to_all`` cross processes on CPU (the 2-process test); GPU/TPU use
+    their own collectives. Afterwards build the mesh from ``jax.devices()`` (global) and create
+    global arrays with ``jax.make_array_from_callback`` / ``jax.make_array_from_process_local_data``.
+
+    Args:
+      coordinator_address: ``"host:port"`` of process 0 (e.g. ``"127.0.0.1:23456"``).
+      num_processes: number of processes. process_id: this process, ``0 <= process_id < num_processes``.
+
+    Raises:
+      ValueError: ``process_id`` out of range.
+    """
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"need 0 <= process_id < num_processes; got {process_id=}, {num_processes=}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only affects the CPU backend
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )

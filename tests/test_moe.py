@@ -166,3 +166,88 @@ def test_expert_parallel_equals_single_device(method, estimator):
     assert len(leaves0) == len(leaves1) == 8  # 7 params + x
     for a, b in zip(leaves0, leaves1):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))
+
+
+# One MoE training loop (quantile histogram balancing, bias written back every step) on a (data=2,
+# expert=4) mesh. Run by 2 processes x 4 CPU devices (gloo) and by this process (8 devices).
+_TRAIN_SRC = '''
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from k3jax import sharding as S
+from k3jax.nn.moe import MoEFeedForward
+from k3jax.ops.routing import BalancingConfig
+
+def _global(value, sharding):
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+def train_losses(mesh, steps=5):
+    m = MoEFeedForward(16, 24, 8, 2, num_shared_experts=1, dtype=jnp.float32, mesh=mesh, rngs=nnx.Rngs(0),
+                       balancing=BalancingConfig(method="quantile", quantile_estimator="histogram"))
+    for name in ("w_gate", "w_up", "w_down"):
+        getattr(m, name).set_value(_global(getattr(m, name).get_value(), S.expert_sharding(mesh, 3)))
+    for name in ("router", "router_bias", "shared_gate", "shared_up", "shared_down"):
+        getattr(m, name).set_value(_global(getattr(m, name).get_value(), S.replicated(mesh)))
+    rng = np.random.default_rng(0)
+    x = _global(rng.normal(size=(8, 6, 16)).astype(np.float32), S.token_sharding(mesh, 3))
+    target = _global(rng.normal(size=(8, 6, 16)).astype(np.float32), S.token_sharding(mesh, 3))
+    seg = _global(np.ones((8, 6), np.int32), S.token_sharding(mesh, 2))
+
+    @nnx.jit
+    def step(m, x, seg, target):
+        def loss_fn(m):
+            y, aux = m(x, segment_ids=seg)
+            return jnp.mean((y - target) ** 2) + aux["loss"], aux
+        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m)
+        params = nnx.state(m, nnx.Param)
+        nnx.update(m, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads))
+        m.router_bias.set_value(aux["next_bias"])
+        return loss, aux["stats"]["max_vio"]
+
+    return [tuple(float(v) for v in step(m, x, seg, target)) for _ in range(steps)]
+'''
+
+_WORKER = '''
+import sys, json
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+from k3jax import sharding as S
+S.initialize_distributed(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]))
+exec(compile(sys.argv[3], "train_src", "exec"))
+assert jax.process_count() == 2 and jax.device_count() == 8
+print("LOSSES", json.dumps(train_losses(S.make_mesh(2, 4))))
+'''
+
+
+def test_two_processes_match_one_process():
+    """2 local processes (coordinator on 127.0.0.1, 4 CPU devices each, gloo collectives) run 5
+    expert-parallel train steps with the same losses (and MaxVio) as this single 8-device process."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from k3jax import sharding as S
+
+    scope = {}
+    exec(compile(_TRAIN_SRC, "train_src", "exec"), scope)
+    single = scope["train_losses"](S.make_mesh(2, 4))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(i), _TRAIN_SRC], cwd=root, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.split("LOSSES", 1)[1]))
+    assert outs[0] == outs[1]
+    np.testing.assert_allclose(np.array(outs[0]), np.array(single), rtol=1e-6, atol=1e-7)
+    assert single[-1][0] < single[0][0]  # it trains
