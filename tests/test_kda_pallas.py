@@ -20,7 +20,8 @@ from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, 
 from tests.test_kda_ops import KDAImplementationTests
 
 INTERPRET_SHAPES = [FLA_SHAPES[0], FLA_SHAPES[1]]          # (1, 63, 1, 64), (2, 500, 3, 60)
-GPU_SHAPES = [FLA_SHAPES[4], (1, 8192, 2, 128)]             # (4, 1024, 4, 128) and T = 8192
+GPU_CASES = [(FLA_SHAPES[4], "float32"), (FLA_SHAPES[4], "bfloat16"),   # (4, 1024, 4, 128)
+             ((1, 8192, 2, 128), "bfloat16")]
 
 
 def _args(x):
@@ -142,8 +143,7 @@ class TestPallasGPU(TestPallasInterpret):
 
     interpret = False
 
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    @pytest.mark.parametrize("shape", GPU_SHAPES)
+    @pytest.mark.parametrize("shape, dtype", GPU_CASES)
     def test_matches_recurrent_on_fla_shapes(self, shape, dtype):
         KDAImplementationTests.test_matches_recurrent_on_fla_shapes(self, shape, "bounded", dtype)
 
