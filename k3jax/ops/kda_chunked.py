@@ -76,30 +76,30 @@ def _masked_exp(x, mask):
     return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool):
+def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, tile: int = TILE):
     """sum_c a_ic k_jc exp(G_ic - G_jc) for j < i (or j <= i), zero elsewhere; fp32 [..., C, C].
 
-    a, k, G: fp32 [..., C, K] (one chunk per leading index). Tiles of TILE rows with the causal anchor
+    a, k, G: fp32 [..., C, K] (one chunk per leading index). Tiles of `tile` rows with the causal anchor
     "cumsum before the tile"; see the module docstring for the two diagonal paths.
     """
     *lead, C, K = G.shape
-    nt = C // TILE
-    at = a.reshape(*lead, nt, TILE, K)
-    kt = k.reshape(*lead, nt, TILE, K)
-    Gt = G.reshape(*lead, nt, TILE, K)
+    nt = C // tile
+    at = a.reshape(*lead, nt, tile, K)
+    kt = k.reshape(*lead, nt, tile, K)
+    Gt = G.reshape(*lead, nt, tile, K)
     # a_b = G at the last row of tile b-1 (0 for the first tile): the cumsum before the tile.
     anchor = jnp.concatenate([jnp.zeros_like(Gt[..., :1, 0, :]), Gt[..., :-1, -1, :]], axis=-2)  # [.., nt, K]
     a_anch = at * jnp.exp(Gt - anchor[..., None, :])                     # exponent <= 0 (g <= 0)
 
-    # Columns in earlier tiles: K factor exp(a_b - G_j), exponent <= 0 for j < TILE * b.
+    # Columns in earlier tiles: K factor exp(a_b - G_j), exponent <= 0 for j < tile * b.
     col = jnp.arange(C)
     row_tile = jnp.arange(nt)
-    earlier = col[None, :] < (TILE * row_tile)[:, None]                   # [nt, C]
+    earlier = col[None, :] < (tile * row_tile)[:, None]                   # [nt, C]
     k_off = k[..., None, :, :] * _masked_exp(anchor[..., :, None, :] - G[..., None, :, :],
                                              earlier[:, :, None])        # [..., nt, C, K]
-    off = jnp.einsum("...bik,...bjk->...bij", a_anch, k_off, precision=_HI)   # [..., nt, TILE, C]
+    off = jnp.einsum("...bik,...bjk->...bij", a_anch, k_off, precision=_HI)   # [..., nt, tile, C]
 
-    ti = jnp.arange(TILE)
+    ti = jnp.arange(tile)
     tri = (ti[None, :] <= ti[:, None]) if include_diag else (ti[None, :] < ti[:, None])  # [i, j]
     if bounded:
         # ONE dense GEMM per diagonal tile: exp(a_b - G_j) <= e^(16 |lower_bound|) <= e^80.
@@ -112,15 +112,15 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool):
         pair = _masked_exp(Gt[..., :, None, :] - Gt[..., None, :, :], tri[:, :, None])   # [.., nt, i, j, K]
         diag = jnp.einsum("...bik,...bjk,...bijk->...bij", at, kt, pair, precision=_HI)
 
-    # Assemble [..., nt, TILE, C]: the diagonal tile goes to columns TILE*b .. TILE*b + TILE - 1.
-    diag_wide = jnp.broadcast_to(diag[..., :, :, None, :], (*lead, nt, TILE, nt, TILE)).reshape(
-        *lead, nt, TILE, C)
-    in_diag = (col[None, :] // TILE) == row_tile[:, None]                 # [nt, C]
+    # Assemble [..., nt, tile, C]: the diagonal tile goes to columns tile*b .. tile*b + tile - 1.
+    diag_wide = jnp.broadcast_to(diag[..., :, :, None, :], (*lead, nt, tile, nt, tile)).reshape(
+        *lead, nt, tile, C)
+    in_diag = (col[None, :] // tile) == row_tile[:, None]                 # [nt, C]
     out = jnp.where(in_diag[:, None, :], diag_wide, jnp.where(earlier[:, None, :], off, 0.0))
     return out.reshape(*lead, C, C)
 
 
-def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype):
+def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype, tile=TILE):
     """Everything that does not need the incoming state, for all chunks at once.
 
     q, k, g: fp32 [B, H, N, C, K]; v [B, H, N, C, V]; beta [B, H, N, C]; run [B, 1, N, C] int32 run
@@ -134,9 +134,11 @@ def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype):
     ii = jnp.arange(C)
     strict = ii[None, :] < ii[:, None]
 
-    kk = _chunk_scores(k, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=False)
+    kk = _chunk_scores(k, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=False,
+                        tile=tile)
     L = jnp.where(strict & same, beta[..., :, None] * kk, 0.0)
-    qk = _chunk_scores(q, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=True)
+    qk = _chunk_scores(q, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=True,
+                        tile=tile)
     Aqk = jnp.where((strict | (ii[None, :] == ii[:, None])) & same, scale * qk, 0.0)
 
     eG = jnp.exp(G)
@@ -207,9 +209,20 @@ def kda_chunked(
     are rematerialised (`jax.checkpoint`), so memory is linear in T.
     Source: Kimi Linear (arXiv 2510.26692) chunk form; fla `chunk_kda` (safe_gate / lower_bound).
     """
+    return _kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, segment_ids=segment_ids,
+                        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, lower_bound=lower_bound, tile=TILE)
+
+
+def _kda_chunked(q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids, use_qk_l2norm,
+                 chunk_size, lower_bound, tile):
+    """`kda_chunked` with the diagonal tile length as a parameter (16 in the library). Experiments set
+    tile = chunk_size to force one single-GEMM diagonal tile per chunk (gate_stability.py)."""
     validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
     validate_chunk_size(chunk_size)
     validate_lower_bound(lower_bound)
+    if tile not in (TILE, chunk_size) or chunk_size % tile:
+        raise ValueError(f"tile must be {TILE} or chunk_size={chunk_size}; got {tile=}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = int(chunk_size)
@@ -234,7 +247,7 @@ def kda_chunked(
 
     qc, kc, vc, gc, bc = (to_chunks(x) for x in (q, k, v, g, beta))
     intra = jax.checkpoint(functools.partial(_intra_chunk, scale=scale, bounded=lower_bound is not None,
-                                             tile_dtype=tile_dtype))
+                                             tile_dtype=tile_dtype, tile=tile))
     xs = intra(qc, kc, vc, gc, bc, run, run_in)
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in xs)                        # chunk axis first for the scan
     S0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
