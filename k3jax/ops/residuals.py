@@ -71,7 +71,10 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
       sources: the depth sources, either one stacked array `[S, B, T, D]` (any leading shape after S
         works: `[S, ..., D]`) or a sequence of S arrays `[B, T, D]` of one shape and dtype. Prefer the
         sequence inside a Python loop over layers: no stacked copy is made, so the backward pass keeps
-        each source once however many sublayers read it. Any float dtype.
+        each source once however many sublayers read it (measured, XLA CPU temp memory of jit(grad)
+        for 64 sublayers, in units of one [B, T, D] fp32 array: plain PreNorm 209, AttnRes with
+        sequences 282 (N = 8) / 286 (N = 16), with a fresh jnp.stack per sublayer 589 / 870).
+        Any float dtype.
       pseudo_query: `w [D]`, the sublayer's learned query (zero-initialised in the model).
       key_norm_scale: `γ [D]`, the scale of the RMSNorm applied to the keys (ones at init).
       eps: RMSNorm epsilon (added to the mean square).
