@@ -94,16 +94,16 @@ def kda(
       lower_bound: the caller's promise that g >= lower_bound (in [-5, 0)); lets the chunked op use a
         single bf16 GEMM per 16-token diagonal tile. None = exact path for any g <= 0.
       chunk_size: chunk length for "chunked" (power of two >= 16).
-      implementation: None (= "chunked", the best available), "recurrent" (the fp32 oracle, O(T)
-        sequential steps), "chunked" (XLA chunk form) or "pallas" (Pallas kernel; unavailable until
-        the kernel lands, and then an explicit request that cannot run raises).
+      implementation: None (= "chunked"), "recurrent" (the fp32 oracle, O(T) sequential steps),
+        "chunked" (XLA chunk form) or "pallas" (pallas_kernels.kda.ops.kda_pallas; an explicit request
+        it does not cover, e.g. segment_ids, use_qk_l2norm or lower_bound=None, raises).
       interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Raises:
-      ValueError: unknown or unavailable implementation, mismatched shapes, bad chunk_size or
+      ValueError: unknown implementation, "pallas" for a call the kernel does not cover, mismatched shapes, bad chunk_size or
         lower_bound (the message names the argument).
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda` / `naive_recurrent_kda`.
