@@ -115,7 +115,8 @@ def test_dropless_equals_dense_loop_forward_and_gradients():
 def test_dropless_bf16_operands_close_to_fp32():
     x, ids, w, wg, wu, wd = _params(1)
     y32 = D.dropless_moe(x, ids, w, wg, wu, wd)
-    y16 = D.dropless_moe(*(a.astype(jnp.bfloat16) for a in (x,)), ids, w, *(a.astype(jnp.bfloat16) for a in (wg, wu, wd)))
+    bf = [a.astype(jnp.bfloat16) for a in (x, wg, wu, wd)]
+    y16 = D.dropless_moe(bf[0], ids, w, *bf[1:])
     assert y16.dtype == jnp.float32
     rel = float(jnp.sqrt(jnp.mean((y16 - y32) ** 2)) / jnp.sqrt(jnp.mean(y32**2)))
     assert rel < 0.02

@@ -56,7 +56,8 @@ def test_module_equals_ops_composition(score_func, shared):
     expected = R.balance(BalancingConfig(method="quantile"), scores, r, m.router_bias.get_value())
     np.testing.assert_allclose(aux["next_bias"], expected.next_bias, atol=1e-7)
     np.testing.assert_array_equal(aux["stats"]["loads"], R.expert_loads(r.expert_ids, E))
-    assert set(aux["stats"]) == {"loads", "max_vio", "cv", "dropped_fraction", "dead_experts", "entropy", "diverted_fraction"}
+    assert set(aux["stats"]) == {
+        "loads", "max_vio", "cv", "dropped_fraction", "dead_experts", "entropy", "diverted_fraction"}
 
 
 def test_eval_does_not_move_bias_and_call_never_mutates():
@@ -127,7 +128,8 @@ def test_constructor_validation():
         MoEFeedForward(D, F, 4, 4, balancing=BalancingConfig(method="quantile"), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("method,estimator", [("quantile", "histogram"), ("aux_loss", "exact"), ("quantile_threshold", "exact")])
+@pytest.mark.parametrize(
+    "method,estimator", [("quantile", "histogram"), ("aux_loss", "exact"), ("quantile_threshold", "exact")])
 def test_expert_parallel_equals_single_device(method, estimator):
     """Mesh (data=2, expert=4) on 8 CPU devices: output, aux (loss, next bias, stats) and gradients
     w.r.t. every parameter and the input equal the single-device module (same init)."""

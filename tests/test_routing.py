@@ -55,6 +55,7 @@ def test_route_selection_biased_weights_unbiased(func):
     bias = jnp.array([0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0])  # forces expert 3 into every top-2
     r = R.route(scores, bias, 2, score_func=func, routed_scaling_factor=2.5)
     assert r.expert_ids.dtype == jnp.int32 and r.weights.dtype == jnp.float32
+    chex.assert_shape([r.expert_ids, r.weights], (32, 2))
     assert np.all(np.asarray(r.expert_ids[:, 0]) == 3)
     # second expert = argmax of the unbiased scores excluding expert 3
     s = np.asarray(scores)

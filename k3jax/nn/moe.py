@@ -7,8 +7,9 @@ experts, sigmoid router, selection bias), Kimi K3 §2.3.3 (Quantile Balancing), 
 Bias protocol: the router bias is a :class:`RouterBias` variable (fp32, NOT an ``nnx.Param``, so an
 ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches it). ``__call__`` never mutates it: it
 returns ``aux["next_bias"]`` (and ``aux["next_state"]`` for stateful methods) and the TRAIN step
-writes them back (``ffn.router_bias[...] = aux["next_bias"]``); evaluation ignores them, and with
-``train=False`` they equal the current values anyway.
+writes them back (``ffn.router_bias.set_value(aux["next_bias"])``); evaluation ignores them, and
+with ``train=False`` they equal the current values anyway. ``"quantile_threshold"`` re-routes within
+the step in evaluation too (same-step diversion is its routing rule); only its window is frozen.
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ class MoEFeedForward(nnx.Module):
         router = self.router.get_value()
         mask = token_mask.reshape(batch, seq_len)
         if self.mesh is None:
-            y, out, dropped = self._apply(x, mask, router, bias, state, experts, shared, axis_names=(), expert_axis=None)
+            y, out, dropped = self._apply(
+                x, mask, router, bias, state, experts, shared, axis_names=(), expert_axis=None
+            )
         else:
             tok = P(sharding_lib.TOKEN_AXES)
             exp = P(sharding_lib.EXPERT)

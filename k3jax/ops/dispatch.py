@@ -94,7 +94,9 @@ def grouped_matmul(
       ValueError: bad ranks/shapes or unknown ``implementation``.
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"need lhs [M, K], rhs [E, K, N], group_sizes [E]; got {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
+        raise ValueError(
+            f"need lhs [M, K], rhs [E, K, N], group_sizes [E]; got {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}"
+        )
     if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"shape mismatch: {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
     name = DEFAULT_GROUPED_MATMUL if implementation is None else implementation

@@ -8,7 +8,8 @@ Balancing methods (one interface, :class:`BalancingConfig` + :func:`balance`):
 
 - ``"none"``: no balancing.
 - ``"aux_loss"``: Switch Transformer auxiliary loss ``α·E·Σ_j f_j·P_j`` (Fedus et al. 2021, eq. 4).
-- ``"seq_aux_loss"``: DeepSeek-V3 sequence-wise auxiliary loss (DeepSeek-V3 report §2.1.2, eqs. 17-20),
+- ``"seq_aux_loss"``: DeepSeek-V3 sequence-wise auxiliary loss (DeepSeek-V3 report §2.1.2,
+  "Complementary Sequence-Wise Auxiliary Loss"),
   the same expression per sequence, averaged over sequences.
 - ``"loss_free"``: DeepSeek auxiliary-loss-free bias, ``b_j += γ·sign(mean load − load_j)``
   (Wang et al. 2024, arXiv 2408.15664, Alg. 1; DeepSeek-V3 §2.1.2), from global counts, applied at the
@@ -79,7 +80,7 @@ def router_scores(logits: jax.Array, score_func: str = "softmax") -> jax.Array:
     Args:
       logits: ``[N, E]`` router logits, any float dtype (cast to fp32 first).
       score_func: ``"softmax"`` (over the E experts; Switch, Mixtral, DeepSeek-V2) or ``"sigmoid"``
-        (element-wise; DeepSeek-V3 §2.1.2 eq. 15, Kimi K2/K3).
+        (element-wise; DeepSeek-V3 §2.1.2, Kimi K2/K3).
 
     Returns:
       ``[N, E]`` fp32 scores in [0, 1].
@@ -150,7 +151,7 @@ def route(
     ``renormalize=True`` (the default, for both score functions) they are divided by their sum over
     the k selected experts, then multiplied by ``routed_scaling_factor``.
 
-    Convention: DeepSeek-V3 (§2.1.2 eq. 13, sigmoid, ``norm_topk_prob=True``) renormalises sigmoid
+    Convention: DeepSeek-V3 (§2.1.2, sigmoid, ``norm_topk_prob=True``) renormalises sigmoid
     scores over the k selected experts; for softmax we follow the same rule (Mixtral / Qwen-MoE
     ``norm_topk_prob=True`` / Marin), which equals a softmax over the selected logits, so the weights
     sum to exactly ``routed_scaling_factor``. ``renormalize=False`` gives Switch / DeepSeek-V2
@@ -247,7 +248,7 @@ def expert_loads(
 
 
 def max_vio(loads: jax.Array) -> jax.Array:
-    """MaxVio = (max_j L_j − mean_j L_j) / mean_j L_j (Wang et al. 2024, arXiv 2408.15664, §4.1).
+    """MaxVio = (max_j L_j − mean_j L_j) / mean_j L_j (Wang et al. 2024, arXiv 2408.15664, "MaxVio").
 
     Args:
       loads: ``[E]`` per-expert loads (counts or fractions).
@@ -340,7 +341,7 @@ def aux_loss(
 
     ``f_j = L_j / (k · N)`` is the fraction of the N·k assignments that went to expert j (no
     gradient), ``P_j = (1/N) Σ_i s'_ij`` the mean router probability (gradient flows to the scores);
-    ``s' = s`` for softmax and ``s / Σ_j s`` for sigmoid (DeepSeek-V3 eq. 19). Normalisation: with
+    ``s' = s`` for softmax and ``s / Σ_j s`` for sigmoid (DeepSeek-V3 §2.1.2, sequence-wise loss). Normalisation: with
     ``Σ f = Σ P = 1`` the loss is ``α`` exactly on uniform routing (f = P = 1/E) and at most ``α·E``.
     Padding tokens (``token_mask`` False) are excluded; N counts valid tokens over ``axis_names``.
 
@@ -374,7 +375,7 @@ def seq_aux_loss(
     token_mask: jax.Array | None = None,
     axis_names: Sequence[str] = (),
 ) -> jax.Array:
-    """DeepSeek-V3 sequence-wise balance loss (DeepSeek-V3 report §2.1.2, eqs. 17-20).
+    """DeepSeek-V3 sequence-wise balance loss (DeepSeek-V3 §2.1.2, complementary sequence-wise loss).
 
     Per sequence b of T tokens: ``L_b = α · Σ_j f_bj · P_bj`` with ``f_bj = E/(k·T_b) · L_bj`` and
     ``P_bj = (1/T_b) Σ_t s'_btj`` (``s'`` as in :func:`aux_loss`), i.e. the Switch expression computed
@@ -615,7 +616,8 @@ def threshold_route(
        a fixed share of experts even at perfect balance; with it a balanced step diverts nothing;
     4. priority: underloaded experts get ``+priority_boost`` on their selection score; top-k again;
     5. diversion in token order (row order of ``scores``, i.e. sequence-major, slot order inside a
-       token; inside ``shard_map`` the global order, devices in ``axis_names`` order): an overloaded expert keeps its first ``C_j = floor(θ_hi · N_valid · k / E)`` slots;
+       token; inside ``shard_map`` the global order, devices in ``axis_names`` order): an
+       overloaded expert keeps its first ``C_j = floor(θ_hi · N_valid · k / E)`` slots;
        every later slot is shed to the token's best not-yet-selected, not-overloaded expert (by the
        boosted score); if none is left the slot stays. One pass: a receiving expert is not re-checked.
 
