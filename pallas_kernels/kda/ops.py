@@ -1,11 +1,12 @@
 """Pallas KDA (Kimi Delta Attention) chunk kernels behind a `jax.custom_vjp`.
 
-Forward: `fwd.intra_fwd` (gate cumsum, anchored 16x16 score tiles, (I+L)^-1, W, U, Aqk; parallel over
-(batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; parallel over (batch, head,
-V-block)). Backward: `fwd.intra_fwd` is re-run (cheap) and the saved per-chunk states are reused;
-`bwd.state_bwd` (reverse serial pass) then `bwd.intra_bwd` (parallel) give dq, dk, dv, dg, dbeta
-and dh0. Every gradient is computed by Pallas kernels; the only XLA work is layout (transpose,
-pad, slice) and summing the V-block partials of the reverse pass.
+Forward: `fwd.intra_fwd` (gate cumsum, anchored 16x16 score tiles, (I+L)^-1, W, U, Aqk; parallel
+over (batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; parallel over (batch, head,
+V-block)). Backward: reuses the chunk factors and per-chunk states saved by the forward (intra_fwd
+is the expensive kernel, so it is not re-run); `bwd.state_bwd` (reverse serial pass) then
+`bwd.intra_bwd` (parallel) give dq, dk, dv, dg, dbeta and dh0. Every gradient is computed by
+Pallas kernels; the only XLA work is layout (transpose, pad, slice) and summing the V-block
+partials of the reverse pass.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.COMPILER_PARAMS` sets num_stages=1);
@@ -70,27 +71,22 @@ def _pow2(n: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
-    o, ht, _ = _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret)
-    return o, ht
-
-
-def _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
-    fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    o, h, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
-                             interpret=interpret, precision=common.mm_precision(q.dtype))
-    return o, ht, h
+    """Padded head-major core: q, k, g [B,H,Tp,Kp]; v [B,H,Tp,Vp]; beta [B,H,Tp]; h0 [B,H,Vp,Kp]."""
+    return _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret)[0]
 
 
 def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
-    o, ht, h = _core_fwd_impl(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret)
-    return (o, ht), (q, k, v, g, beta, h0, h)
+    # The chunk factors are SAVED, not recomputed: on the H200 intra_fwd costs ~17x the state pass
+    # (26.9 ms vs 1.6 ms at 8x4096x16, K = V = 128; experiments/results/kda_pallas_notes.md).
+    fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    o, h, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
+                             interpret=interpret, precision=common.mm_precision(q.dtype))
+    return (o, ht), (q, k, v, g, beta, h0, h, fac)
 
 
 def _core_bwd(scale, chunk_size, block_v, interpret, res, cts):
-    q, k, v, g, beta, h0, h = res
+    q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl) = res
     do, dht = cts
-    qg, kd, w, u, aqk, gl = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
-                                          interpret=interpret)
     dqg, dkd, dw, du, daqk, dgl, dh0 = bwd.state_bwd(
         qg, kd, w, u, aqk, gl, h, do, dht, chunk_size=chunk_size, block_v=block_v,
         interpret=interpret, precision=common.mm_precision(q.dtype))
