@@ -1,1 +1,5 @@
-"""Pallas KDA kernels."""
+"""Pallas KDA (Kimi Delta Attention) chunk kernels.
+
+`ops.kda_pallas` (custom_vjp, forward and backward kernels) and `ops.supported`; the kernel bodies
+are in `fwd.py` and `bwd.py`, shared in-kernel helpers in `common.py`. Never imports k3jax.
+"""
