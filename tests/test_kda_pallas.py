@@ -15,8 +15,8 @@ import pytest
 
 from k3jax.ops.kda import kda, kda_recurrent
 from pallas_kernels.kda import ops
-from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES,
-                               assert_rms_close, kda_loss_and_grads, make_kda_inputs, rms_ratio)
+from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, assert_rms_close,
+                               make_kda_inputs, rms_ratio)
 from tests.test_kda_ops import KDAImplementationTests
 
 INTERPRET_SHAPES = [FLA_SHAPES[0], FLA_SHAPES[1]]          # (1, 63, 1, 64), (2, 500, 3, 60)
