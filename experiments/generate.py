@@ -11,7 +11,7 @@ import os
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from k3jax.data.tokenizer import ByteTokenizer
 from k3jax.models.generate import generate
@@ -40,6 +40,8 @@ def run_config_of(workdir: str):
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
     cfg = run_config_of(_WORKDIR.value)
     model, step = load_trained_model(cfg, step=_STEP.value)
     tok = ByteTokenizer()
@@ -52,5 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", -1)
     app.run(main)

@@ -5,7 +5,7 @@
 Outputs go to `--config.workdir`: checkpoints/, metrics.jsonl, tensorboard/, run_header.json.
 Re-running with the same workdir resumes from the latest checkpoint.
 """
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from k3jax.train.config import run_config_from_dict
@@ -16,9 +16,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny
 
 def main(argv):
     del argv
+    if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 brings it back
     train(run_config_from_dict(_CONFIG.value))
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", -1)  # absl WARNING: keep orbax's per-save INFO lines out of the log
     app.run(main)
