@@ -110,7 +110,7 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, til
     else:
         # Exact pairwise exponents on the kept entries only: exp(G_i - G_j) with G_i - G_j <= 0.
         pair = _masked_exp(Gt[..., :, None, :] - Gt[..., None, :, :], tri[:, :, None])   # [.., nt, i, j, K]
-        diag = jnp.einsum("...bik,...bjk,...bijk->...bij", at, kt, pair, precision=_HI)
+        diag = jnp.sum(at[..., :, None, :] * kt[..., None, :, :] * pair, axis=-1)
 
     # Assemble [..., nt, tile, C]: the diagonal tile goes to columns tile*b .. tile*b + tile - 1.
     diag_wide = jnp.broadcast_to(diag[..., :, :, None, :], (*lead, nt, tile, nt, tile)).reshape(
@@ -118,6 +118,38 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, til
     in_diag = (col[None, :] // tile) == row_tile[:, None]                 # [nt, C]
     out = jnp.where(in_diag[:, None, :], diag_wide, jnp.where(earlier[:, None, :], off, 0.0))
     return out.reshape(*lead, C, C)
+
+
+def _unit_lower_inverse(L):
+    """(I + L)^-1 for strictly lower-triangular L [..., m, m], by row-wise forward substitution (fp32)."""
+    m = L.shape[-1]
+    eye = jnp.eye(m, dtype=L.dtype)
+    Y = jnp.broadcast_to(eye, L.shape)
+    for i in range(1, m):
+        row = eye[i] - jnp.einsum("...j,...jk->...k", L[..., i, :i], Y[..., :i, :], precision=_HI)
+        Y = Y.at[..., i, :].set(row)
+    return Y
+
+
+def _solve_unit_lower(L, rhs, block: int = TILE):
+    """X = (I + L)^-1 rhs for strictly lower-triangular L [..., C, C], rhs [..., C, n] (fp32).
+
+    Blockwise forward substitution: the 16x16 diagonal blocks are inverted by substitution, then
+    X_b = D_b^-1 (rhs_b - sum_{c<b} L_bc X_c) over the C/16 row blocks. (XLA's batched
+    triangular_solve is ~100x slower on CPU for these many small systems.)
+    """
+    C = L.shape[-1]
+    nb = C // block
+    diag = jnp.stack([L[..., b * block:(b + 1) * block, b * block:(b + 1) * block] for b in range(nb)], axis=-3)
+    Dinv = _unit_lower_inverse(diag)                                        # [..., nb, block, block]
+    X = []
+    for b in range(nb):
+        r = rhs[..., b * block:(b + 1) * block, :]
+        if b:
+            r = r - jnp.einsum("...ij,...jn->...in", L[..., b * block:(b + 1) * block, :b * block],
+                               jnp.concatenate(X, axis=-2), precision=_HI)
+        X.append(jnp.einsum("...ij,...jn->...in", Dinv[..., b, :, :], r, precision=_HI))
+    return jnp.concatenate(X, axis=-2)
 
 
 def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype, tile=TILE):
@@ -143,8 +175,7 @@ def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype, t
 
     eG = jnp.exp(G)
     rhs = jnp.concatenate([jnp.where(row_in, beta[..., None] * eG * k, 0.0), beta[..., None] * v], axis=-1)
-    X = jax.lax.linalg.triangular_solve(L + jnp.eye(C, dtype=L.dtype), rhs, left_side=True, lower=True,
-                                        unit_diagonal=True)               # (I + L)^-1 rhs, fp32
+    X = _solve_unit_lower(L, rhs)                                          # (I + L)^-1 rhs, fp32
     W, U = X[..., :K], X[..., K:]
     Qg = jnp.where(row_in, scale * q * eG, 0.0)
     G_last = G[..., -1:, :]
@@ -245,7 +276,9 @@ def _kda_chunked(q, k, v, g, beta, *, scale, initial_state, output_final_state, 
         x = jnp.moveaxis(x, 2, 1)
         return x.reshape((B, H, N, C) + x.shape[3:])
 
-    qc, kc, vc, gc, bc = (to_chunks(x) for x in (q, k, v, g, beta))
+    # The barrier keeps XLA from folding the bf16 -> fp32 converts into the fp32 dots (on CPU that turns
+    # them into slow bf16 dots; the math here is meant to be fp32).
+    qc, kc, vc, gc, bc = jax.lax.optimization_barrier(tuple(to_chunks(x) for x in (q, k, v, g, beta)))
     intra = jax.checkpoint(functools.partial(_intra_chunk, scale=scale, bounded=lower_bound is not None,
                                              tile_dtype=tile_dtype, tile=tile))
     xs = intra(qc, kc, vc, gc, bc, run, run_in)

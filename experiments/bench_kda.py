@@ -1,0 +1,164 @@
+"""Time KDA implementations, forward and forward+backward, on whatever backend runs this.
+
+Method (DESIGN.md "Performance method"): each implementation is jitted once per shape; after warm-up
+calls, every timed call gets FRESH random inputs (generated before the clock starts, never zeros),
+is synchronised with `block_until_ready`, and the median of >= 20 calls is reported. Inputs follow
+the ANCHORS.md recipe: q ~ N(0,1), k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)),
+beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op. fwd+bwd = value_and_grad of
+sum(o * do) w.r.t. q, k, v, g, beta.
+
+Implementations: "recurrent" (fp32 oracle), "chunked" (XLA chunk form), "pallas" (when
+pallas_kernels.kda imports and covers the call; interpret mode off GPU). Peer frameworks (fla in a
+separate torch process, jax-linear-attention) can be added as more entries of `implementations()`:
+`time_call` only needs a jitted callable and an input factory.
+
+Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
+     [--dtype=bfloat16 --iters=20 --out=experiments/results/kda_cpu]
+Writes <out>.json and <out>.md.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.kda import kda
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["1x4096x4x128"], "BxTxHxK shapes (V = K)")
+flags.DEFINE_list("implementations", ["recurrent", "chunked"], "recurrent, chunked, pallas")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, v, beta")
+flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd")
+flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
+flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
+flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
+flags.DEFINE_string("out", "experiments/results/kda_cpu", "output path without extension ('' = no files)")
+
+LOWER_BOUND = -5.0
+
+
+def make_inputs(key, B, T, H, K, dtype):
+    """Fresh ANCHORS-recipe inputs (q, k, v, g, beta, do); g fp32, others in dtype."""
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (B, T, H, K), dtype)
+    k = jax.random.normal(ks[1], (B, T, H, K), jnp.float32)
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, H, K), dtype)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32)).astype(dtype)
+    do = jax.random.normal(ks[5], (B, T, H, K), dtype)
+    return q, k, v, g, beta, do
+
+
+def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, warmup: int) -> dict:
+    """Median wall time of fn(*make_args(i)) over `iters` calls with fresh inputs, after warm-up.
+
+    fn: a jitted callable; make_args(i) returns the i-th fresh argument tuple (built and made ready
+    before its call is timed). Returns dict(median_ms, min_ms, max_ms, iters, compile_s).
+    """
+    args = jax.block_until_ready(make_args(0))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))                                       # compile + first run
+    compile_s = time.perf_counter() - t0
+    for i in range(warmup):
+        jax.block_until_ready(fn(*jax.block_until_ready(make_args(1 + i))))
+    times = []
+    for i in range(iters):
+        args = jax.block_until_ready(make_args(1000 + i))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return dict(median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), max_ms=1e3 * max(times),
+                iters=iters, compile_s=compile_s)
+
+
+def implementations(chunk_size: int) -> dict[str, Callable]:
+    """name -> op(q, k, v, g, beta) -> o, for the names that can run here."""
+    interpret = jax.default_backend() != "gpu"
+    out = {
+        "recurrent": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent")[0],
+        "chunked": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="chunked",
+                                                lower_bound=LOWER_BOUND, chunk_size=chunk_size)[0],
+    }
+    try:
+        import pallas_kernels.kda.ops  # noqa: F401
+        out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas",
+                                                     lower_bound=LOWER_BOUND, chunk_size=chunk_size,
+                                                     interpret=interpret)[0]
+    except ImportError:
+        pass
+    return out
+
+
+def jitted(op: Callable, mode: str) -> Callable:
+    """fwd: jit(op)(q, k, v, g, beta, do) -> o; fwd+bwd: value and grads of sum(o * do)."""
+    if mode == "fwd":
+        return jax.jit(lambda q, k, v, g, beta, do: op(q, k, v, g, beta))
+
+    def loss(q, k, v, g, beta, do):
+        return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def environment():
+    import jaxlib
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                platform=platform.platform(), cpu_count=os.cpu_count(), backend=jax.default_backend(),
+                device=jax.devices()[0].device_kind, python=sys.version.split()[0], jax=jax.__version__,
+                jaxlib=jaxlib.__version__, numpy=np.__version__)
+
+
+def main(argv):
+    del argv
+    env = environment()
+    dtype = jnp.dtype(FLAGS.dtype)
+    ops = implementations(FLAGS.chunk_size)
+    rows = []
+    for shape in FLAGS.shapes:
+        B, T, H, K = (int(x) for x in shape.lower().split("x"))
+        for name in FLAGS.implementations:
+            if name not in ops:
+                print(f"skip {name}: not importable here", flush=True)
+                continue
+            for mode in FLAGS.modes:
+                fn = jitted(ops[name], mode)
+                r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
+                              iters=FLAGS.iters, warmup=FLAGS.warmup)
+                row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
+                           chunk_size=FLAGS.chunk_size, **r)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    lines = [f"# KDA timings ({env['date']})", "",
+             f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
+             f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {FLAGS.dtype} q/k/v/beta, fp32 g = "
+             f"-5 sigmoid(N(0,1)), lower_bound -5 declared; median of {FLAGS.iters} calls with fresh inputs "
+             f"after {FLAGS.warmup} warm-up calls.", "",
+             "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = [x for x in rows if x["implementation"] == "recurrent" and x["mode"] == r["mode"]
+               and (x["B"], x["T"], x["H"], x["K"]) == (r["B"], r["T"], r["H"], r["K"])]
+        speed = f"{ref[0]['median_ms'] / r['median_ms']:.1f}×" if ref else "—"
+        lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {r['mode']} | "
+                     f"{r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {speed} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        with open(FLAGS.out + ".json", "w") as f:
+            json.dump(dict(environment=env, rows=rows), f, indent=1)
+        with open(FLAGS.out + ".md", "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    app.run(main)
