@@ -43,6 +43,9 @@ flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "experiments/results/kda_cpu", "output path without extension ('' = no files)")
+flags.DEFINE_string("from_json", "", "re-render the tables of an earlier run's JSON (no timing)")
+flags.DEFINE_bool("fla", False, "also time fla's chunk_kda(safe_gate=True, lower_bound=-5) in a torch "
+                  "subprocess of this call (needs torch + CUDA + flash-linear-attention)")
 
 LOWER_BOUND = -5.0
 
@@ -90,6 +93,13 @@ def implementations(chunk_size: int) -> dict[str, Callable]:
         "chunked": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="chunked",
                                                 lower_bound=LOWER_BOUND, chunk_size=chunk_size)[0],
     }
+    if jax.default_backend() == "gpu":
+        try:  # peer: jax-linear-attention's Mosaic GPU KDA (its own gate/beta conventions as in ANCHORS)
+            from jla import ops as jla_ops
+            out["jla"] = lambda q, k, v, g, beta: jla_ops.linear_attention(
+                "kda", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
+        except ImportError:
+            pass
     try:
         import pallas_kernels.kda.ops  # noqa: F401
         out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas",
@@ -110,6 +120,61 @@ def jitted(op: Callable, mode: str) -> Callable:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
+FLA_SCRIPT = r"""
+import json, sys, torch
+from triton.testing import do_bench
+from fla.ops.kda import chunk_kda
+rows = []
+for shape in sys.argv[1].split(","):
+    B, T, H, K = (int(x) for x in shape.lower().split("x"))
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
+    kw = dict(safe_gate=True, lower_bound=-5.0)
+    fwd = do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=50, rep=200, return_mode="median")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    def fb():
+        o, _ = chunk_kda(*leaves, **kw)
+        o.backward(do)
+    fwdbwd = do_bench(fb, warmup=50, rep=200, return_mode="median")
+    for mode, ms in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+        rows.append(dict(implementation="fla", mode=mode, B=B, T=T, H=H, K=K, V=K, dtype="bfloat16",
+                         chunk_size=64, median_ms=ms, min_ms=float("nan"), max_ms=float("nan"),
+                         iters="do_bench", compile_s=float("nan")))
+    print("ROW" + json.dumps(rows[-2]) + "\nROW" + json.dumps(rows[-1]), flush=True)
+"""
+
+
+def run_fla(shapes) -> list[dict]:
+    """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU)."""
+    import subprocess
+    try:
+        proc = subprocess.run([sys.executable, "-c", FLA_SCRIPT, ",".join(shapes)], capture_output=True,
+                              text=True, timeout=900)
+    except Exception as e:  # noqa: BLE001 -- a missing peer must not stop our own timings
+        print("fla failed:", repr(e)[:300], flush=True)
+        return []
+    rows = [json.loads(line[3:]) for line in proc.stdout.splitlines() if line.startswith("ROW")]
+    if proc.returncode:
+        print("fla stderr:", proc.stderr[-800:], flush=True)
+    return rows
+
+
+def counts(B, T, H, K, V, chunk_size):
+    """Forward FLOPs and the fewest HBM bytes of chunked KDA (q, k, v bf16, g fp32, beta bf16 read once;
+    o bf16 written once). FLOPs per token-head: Aqk, L (2·2CK), A·(βK e^G), A·(βV) (2CK + 2CV),
+    state terms W S, Q S, Kᵀ V' (6KV), Aqk V' (2CV)."""
+    C = chunk_size
+    tokens = B * T * H
+    flops = tokens * (4 * C * K + 2 * C * K + 4 * C * V + 6 * K * V)
+    bytes_ = tokens * (2 * K * 2 + 4 * K + 2 * V + 2 + 2 * V)
+    return flops, bytes_
+
+
 def environment():
     import jaxlib
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -118,18 +183,30 @@ def environment():
                 jaxlib=jaxlib.__version__, numpy=np.__version__)
 
 
-def main(argv):
-    del argv
+def time_all():
+    """Time every requested implementation, shape and mode; returns (environment, rows)."""
     env = environment()
     dtype = jnp.dtype(FLAGS.dtype)
+    rows = run_fla(FLAGS.shapes) if FLAGS.fla else []
     ops = implementations(FLAGS.chunk_size)
-    rows = []
     for shape in FLAGS.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))
         for name in FLAGS.implementations:
             if name not in ops:
                 print(f"skip {name}: not importable here", flush=True)
                 continue
+            if name != "chunked" and "chunked" in ops:  # correctness at the timed shape, vs the XLA chunk form
+                args = make_inputs(jax.random.PRNGKey(7), B, T, H, K, dtype)
+                ref = jitted(ops["chunked"], "fwd+bwd")(*args)
+                got = jitted(ops[name], "fwd+bwd")(*args)
+                rms = lambda a, b: float(jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                                               / jnp.maximum(jnp.mean(jnp.square(b.astype(jnp.float32))), 1e-30)))
+                o_ref = jitted(ops["chunked"], "fwd")(*args)
+                o_got = jitted(ops[name], "fwd")(*args)
+                errs = {"o": rms(o_got, o_ref), **{f"d{n}": rms(a, b) for n, a, b in
+                                                   zip(("q", "k", "v", "g", "beta"), got[1], ref[1])}}
+                print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_chunked=errs)), flush=True)
+                rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K, rms_ratio_vs_chunked=errs))
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
@@ -138,18 +215,58 @@ def main(argv):
                            chunk_size=FLAGS.chunk_size, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if FLAGS.out:  # keep partial results if the run is cut short
+                    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+                    with open(FLAGS.out + ".json", "w") as f:
+                        json.dump(dict(environment=env, rows=rows), f, indent=1)
+    return env, rows
+
+
+def main(argv):
+    del argv
+    if FLAGS.from_json:
+        with open(FLAGS.from_json) as f:
+            saved = json.load(f)
+        env, rows = saved["environment"], saved["rows"]
+        shapes = list(dict.fromkeys(f"{r['B']}x{r['T']}x{r['H']}x{r['K']}" for r in rows))
+        FLAGS.shapes = shapes
+    else:
+        env, rows = time_all()
     lines = [f"# KDA timings ({env['date']})", "",
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {FLAGS.dtype} q/k/v/beta, fp32 g = "
              f"-5 sigmoid(N(0,1)), lower_bound -5 declared; median of {FLAGS.iters} calls with fresh inputs "
              f"after {FLAGS.warmup} warm-up calls.", "",
              "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in [r for r in rows if r["mode"] == "check"]:
+        lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | RMS ratio vs chunked | " +
+                     ", ".join(f"{k} {v:.1e}" for k, v in r["rms_ratio_vs_chunked"].items()) + " | | | |")
+    for r in [r for r in rows if r["mode"] != "check"]:
         ref = [x for x in rows if x["implementation"] == "recurrent" and x["mode"] == r["mode"]
                and (x["B"], x["T"], x["H"], x["K"]) == (r["B"], r["T"], r["H"], r["K"])]
         speed = f"{ref[0]['median_ms'] / r['median_ms']:.1f}×" if ref else "—"
         lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {r['mode']} | "
                      f"{r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {speed} |")
+    peers = {"fla", "jla"}
+    if any(r["implementation"] in peers for r in rows):
+        lines += ["", "Side by side (median ms; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 "
+                  "TFLOP/s, bytes / 4.3 TB/s), the H200 rates measured on these machines):", "",
+                  "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
+                  "chunked / best peer | floor ms | pallas % of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for shape in FLAGS.shapes:
+            B, T, H, K = (int(x) for x in shape.lower().split("x"))
+            flops, nbytes = counts(B, T, H, K, K, FLAGS.chunk_size)
+            for mode in FLAGS.modes:
+                mult = 1 if mode == "fwd" else 3
+                floor = max(mult * flops / 790e12, mult * nbytes / 4.3e12) * 1e3
+                t = {r["implementation"]: r["median_ms"] for r in rows
+                     if r["mode"] == mode and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
+                best = min([t[p] for p in peers if p in t] or [float("nan")])
+                cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
+                ratio = lambda n: f"{t[n] / best:.2f}" if n in t else "—"  # noqa: E731
+                pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
+                lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
+                             f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {floor:.3f} | {pct} |")
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:
