@@ -43,8 +43,9 @@ def numpy_kda(q, k, v, g, beta, h0, segment_ids, scale):
 def test_recurrent_matches_fp64_numpy_loop():
     x = make_kda_inputs(jax.random.PRNGKey(1), 2, 37, 2, 6, 5, gate="softplus")
     seg = np.array([[0] * 10 + [1] * 20 + [0] * 7, [3] * 37])
-    o, ht = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                          output_final_state=True, segment_ids=jnp.asarray(seg, jnp.int32))
+    o, ht = jax.jit(lambda x, seg: kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                                 output_final_state=True, segment_ids=seg))(
+        x, jnp.asarray(seg, jnp.int32))
     o_ref, ht_ref = numpy_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], seg, 6 ** -0.5)
     np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ht, ht_ref, rtol=1e-4, atol=1e-5)
@@ -52,8 +53,8 @@ def test_recurrent_matches_fp64_numpy_loop():
 
 def test_decode_chain_equals_recurrence():
     x = make_kda_inputs(jax.random.PRNGKey(2), 2, 29, 3, 8, 12, gate="bounded")
-    o_ref, ht_ref = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                  output_final_state=True, use_qk_l2norm=True)
+    o_ref, ht_ref = jax.jit(lambda x: kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                                    output_final_state=True, use_qk_l2norm=True))(x)
     step = jax.jit(functools.partial(kda_decode_step, use_qk_l2norm=True))
     S, outs = x["h0"], []
     for t in range(29):
@@ -147,12 +148,20 @@ def test_decode_step_rejects_bad_shapes():
 def test_default_implementation_is_chunked_and_matches():
     x = make_kda_inputs(jax.random.PRNGKey(3), 1, 40, 2, 16)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    o_default, _ = kda(*args)
-    o_chunked, _ = kda_chunked(*args)
+    o_default, _ = jax.jit(lambda a: kda(*a))(args)
+    o_chunked, _ = jax.jit(lambda a: kda_chunked(*a))(args)
     np.testing.assert_array_equal(o_default, o_chunked)
 
 
 # ------------------------------------------------------------------------ implementation tests
+@jax.jit
+def _oracle_loss_and_grads(inputs, do, dht):
+    """One compile per shape, shared by both gate kinds."""
+    return kda_loss_and_grads(
+        lambda q, k, v, g, beta, h0: kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+        inputs, do, dht)
+
+
 @functools.lru_cache(maxsize=None)
 def _fla_case(shape, gate):
     """Inputs (bf16-representable), upstream grads and the fp32 oracle's (o, ht, grads); cached so the
@@ -165,12 +174,7 @@ def _fla_case(shape, gate):
     do = jax.random.normal(kd, (B, T, H, K))
     dht = jax.random.normal(kh, (B, H, K, K))
 
-    @jax.jit
-    def ref(inputs):
-        return kda_loss_and_grads(
-            lambda q, k, v, g, beta, h0: kda_recurrent(q, k, v, g, beta, initial_state=h0,
-                                                       output_final_state=True), inputs, do, dht)
-    return x, x32, do, dht, jax.device_get(ref(x32))
+    return x, x32, do, dht, jax.device_get(_oracle_loss_and_grads(x32, do, dht))
 
 
 _SLOW_T = 1000
@@ -285,7 +289,7 @@ class TestRecurrentOracle:
 
     def test_output_dtype_and_state(self):
         x = make_kda_inputs(jax.random.PRNGKey(9), 1, 70, 1, 8, dtype=jnp.bfloat16)
-        o, ht = kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
+        o, ht = jax.jit(lambda x: kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True))(x)
         assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32 and ht.shape == (1, 1, 8, 8)
         o2, _ = kda_recurrent(x["q"][:, :64], x["k"][:, :64], x["v"][:, :64], x["g"][:, :64], x["beta"][:, :64])
         np.testing.assert_array_equal(o[:, :64], o2)

@@ -121,14 +121,21 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, til
 
 
 def _unit_lower_inverse(L):
-    """(I + L)^-1 for strictly lower-triangular L [..., m, m], by row-wise forward substitution (fp32)."""
+    """(I + L)^-1 for strictly lower-triangular L [..., m, m], by row-wise forward substitution (fp32).
+
+    Row i: Y_i = e_i - sum_j L_ij Y_j (L_ij = 0 for j >= i, so the full row can be used). A fori_loop
+    keeps the compiled graph small.
+    """
     m = L.shape[-1]
     eye = jnp.eye(m, dtype=L.dtype)
-    Y = jnp.broadcast_to(eye, L.shape)
-    for i in range(1, m):
-        row = eye[i] - jnp.einsum("...j,...jk->...k", L[..., i, :i], Y[..., :i, :], precision=_HI)
-        Y = Y.at[..., i, :].set(row)
-    return Y
+
+    def row(i, Y):
+        L_i = jax.lax.dynamic_index_in_dim(L, i, axis=-2, keepdims=False)          # [..., m]
+        y_i = jax.lax.dynamic_index_in_dim(eye, i, axis=0, keepdims=False) - jnp.einsum(
+            "...j,...jk->...k", L_i, Y, precision=_HI)
+        return jax.lax.dynamic_update_index_in_dim(Y, y_i, i, axis=-2)
+
+    return jax.lax.fori_loop(1, m, row, jnp.broadcast_to(eye, L.shape))
 
 
 def _solve_unit_lower(L, rhs, block: int = TILE):
