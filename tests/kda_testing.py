@@ -48,7 +48,8 @@ def make_kda_inputs(key, B, T, H, K, V=None, *, gate: str = "bounded", dtype=jnp
     """Fresh random KDA inputs (ANCHORS.md recipe), rounded to `dtype` and returned in `dtype`.
 
     q ~ N(0, 1); k ~ N(0, 1) L2-normalised; v ~ N(0, 1); beta = sigmoid(N(0, 1)); initial_state (h0)
-    ~ N(0, 1) in fp32. gate="bounded": g = kda_gate(N(0,1), A_log, dt_bias, lower_bound=-5) in (-5, 0);
+    ~ N(0, 1) in fp32. gate="bounded": g = -5 sigmoid(N(0,1)) in (-5, 0) (ANCHORS' benchmark recipe, mean
+    -2.5: strong decays that stress the bf16 diagonal tiles; fla's init A_log/dt_bias would give g ~ 0);
     gate="softplus": g = kda_gate(3 N(0,1), A_log, dt_bias) (unbounded; min well below -5), with fla's
     init A_log = log U(1, 16), dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1].
     Returns dict(q, k, v, g, beta, h0) where h0 is fp32.
@@ -64,7 +65,7 @@ def make_kda_inputs(key, B, T, H, K, V=None, *, gate: str = "bounded", dtype=jnp
     dt = jnp.exp(jax.random.uniform(ks[5], (H * K,), minval=np.log(1e-3), maxval=np.log(1e-1)))
     dt_bias = dt + jnp.log(-jnp.expm1(-dt))                                 # inverse softplus
     if gate == "bounded":
-        g = kda_gate(jax.random.normal(ks[6], (B, T, H, K)), A_log, dt_bias, lower_bound=-5.0)
+        g = kda_gate(jax.random.normal(ks[6], (B, T, H, K)), jnp.zeros((H,)), lower_bound=-5.0)
     elif gate == "softplus":
         g = kda_gate(3.0 * jax.random.normal(ks[6], (B, T, H, K)), A_log, dt_bias)
     else:
