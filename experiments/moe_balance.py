@@ -22,7 +22,7 @@ import platform
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from k3jax.train.config import run_config_from_dict
@@ -93,6 +93,8 @@ def _fmt(values, scale=1.0, digits=3):
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     unknown = sorted(set(_METHODS.value) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
@@ -155,5 +157,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", -1)
     app.run(main)
