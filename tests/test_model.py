@@ -119,7 +119,7 @@ def test_block_attnres_model_equals_hand_unrolled_two_blocks():
     model = _model(num_layers=2, residual="block_attnres", residual_blocks=2)
     rng = np.random.default_rng(0)
     for m in model.depth_mixes:  # non-trivial pseudo-queries
-        m.pseudo_query.value = jnp.asarray(rng.normal(size=32), jnp.float32)
+        m.pseudo_query.set_value(jnp.asarray(rng.normal(size=32), jnp.float32))
     tokens = jax.random.randint(jax.random.key(5), (1, 8), 0, 256)
     logits, _ = model(tokens)
     q = [m.pseudo_query[...] for m in model.depth_mixes]

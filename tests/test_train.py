@@ -75,7 +75,7 @@ def test_nonfinite_update_is_skipped_and_counted():
     batch = {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32),
              "segment_ids": jnp.ones((1, 8), jnp.int32), "positions": jnp.zeros((1, 8), jnp.int32),
              "loss_mask": jnp.ones((1, 8), bool)}
-    model.embed.embedding.value = model.embed.embedding.value.at[0, 0].set(jnp.nan)
+    model.embed.embedding.set_value(model.embed.embedding.get_value().at[0, 0].set(jnp.nan))
     m = train_step(model, opt, batch)
     assert not bool(m["finite"]) and int(m["nonfinite_count"]) == 1
     m = train_step(model, opt, batch)
@@ -223,11 +223,11 @@ def test_moe_train_step_writes_next_bias_and_eval_leaves_it():
     _, aux = model(batch["inputs"])  # what the layers propose from the current parameters
     expected = [np.asarray(a["next_bias"]) for a in aux["moe"]]
     metrics = train_step(model, opt, batch)
-    biases = [np.asarray(f.router_bias.value) for f in model.ffns]
+    biases = [np.asarray(f.router_bias.get_value()) for f in model.ffns]
     for got, want in zip(biases, expected):
         np.testing.assert_allclose(got, want, atol=1e-6)
         assert np.abs(got).max() > 0 and abs(got.sum()) < 1e-5  # moved, and centred (b = b_hat - mean)
     assert "moe/0/max_vio" in metrics
     eval_step(model, batch)
     for f, before in zip(model.ffns, biases):
-        np.testing.assert_array_equal(np.asarray(f.router_bias.value), before)
+        np.testing.assert_array_equal(np.asarray(f.router_bias.get_value()), before)

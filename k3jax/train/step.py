@@ -50,10 +50,10 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
     optimizer.update(model, grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
     for ffn, layer_aux in zip(_moe_layers(model), aux["moe"]):
-        ffn.router_bias.value = jnp.where(finite, layer_aux["next_bias"], ffn.router_bias.value)
+        ffn.router_bias.set_value(jnp.where(finite, layer_aux["next_bias"], ffn.router_bias.get_value()))
         if layer_aux.get("next_state") is not None and ffn.balancing_state is not None:
-            ffn.balancing_state.value = jax.tree.map(lambda n, o: jnp.where(finite, n, o),
-                                                     layer_aux["next_state"], ffn.balancing_state.value)
+            ffn.balancing_state.set_value(jax.tree.map(lambda n, o: jnp.where(finite, n, o),
+                                                       layer_aux["next_state"], ffn.balancing_state.get_value()))
     metrics = {"loss": loss, "ce": ce, "grad_norm": optax.global_norm(grads), "finite": finite,
                "nonfinite_count": optimizer.opt_state.notfinite_count}
     for i, layer_aux in enumerate(aux["moe"]):
