@@ -4,7 +4,11 @@ Issue 6's experiment (ANCHORS.md §3). Deep-narrow byte LMs on the default corpu
 run per (variant, depth, seed); every variant trained with seed s sees the SAME token stream (the seed
 fixes both the parameter init and grain's shuffle, so variants differ only in the residual scheme).
 
-  python -m experiments.depth_residuals                       # the CPU sweep committed in results/
+  python -m experiments.depth_residuals     # the CPU sweep committed in results/ (16 and 6 layers, 150 steps)
+  python -m experiments.depth_residuals --variants=prenorm,block_attnres --depths=32 \
+      --workdir=runs/depth_residuals_L32 --out=experiments/results/depth_residuals_L32
+  python -m experiments.depth_residuals --variants=prenorm --steps=188 \
+      --workdir=runs/depth_residuals_1p25x --out=experiments/results/depth_residuals_prenorm_1p25x
   python -m experiments.depth_residuals --depths=32,12 --d_model=256 --num_heads=4 --head_dim=64 \
       --d_ff=768 --seq_len=1024 --batch_size=32 --steps=5000 --dtype=bfloat16   # GPU-sized (issue)
 
@@ -21,8 +25,9 @@ what the model, its optimizer state, activations and its compilation added. On G
 `memory_stats()["peak_bytes_in_use"]` of device 0 (device memory only). Without `--isolate` the RSS
 numbers are of the shared parent process (monotone, not per config).
 
-Outputs: `<out>.json` (all raw numbers, date, machine, versions), `<out>.md` (table + notes written by
-`--notes_file` if given) and `<out>_{val_loss,cosine,hidden_rms,depth_weights}.png`.
+Outputs: `<out>.json` (all raw numbers, date, machine, versions), `<out>.md` (table + the markdown of
+`--notes_file` if given) and `<out>_{val_loss,cosine,hidden_rms,depth_weights}.png`. To add notes to a
+finished sweep without retraining: `--report_from=<out>.json --notes_file=notes.md`.
 """
 from __future__ import annotations
 
@@ -43,18 +48,19 @@ from absl import app, flags
 VARIANTS = ("prenorm", "block_attnres", "full_attnres", "article_block")
 
 _VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), f"Residual schemes, from {VARIANTS}.")
-_DEPTHS = flags.DEFINE_list("depths", ["32", "12"], "Transformer layers per model (each = 2 sublayers).")
+_DEPTHS = flags.DEFINE_list("depths", ["16", "6"], "Transformer layers per model (each = 2 sublayers); the "
+                             "issue's full setting is 32,12 (see the module docstring).")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (init + data order); same per variant.")
 _D_MODEL = flags.DEFINE_integer("d_model", 64, "Hidden size D.")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 16, "Per-head size.")
 _D_FF = flags.DEFINE_integer("d_ff", 192, "SwiGLU hidden size.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence T.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence T.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Sequences per step B.")
-_STEPS = flags.DEFINE_integer("steps", 300, "Optimizer steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 150, "Optimizer steps per run.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
-_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "Validation cadence (steps); also at the end.")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 15, "Linear warmup steps.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Validation cadence (steps); also at the end.")
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 4, "Batches in the fixed validation slice.")
 _RESIDUAL_BLOCKS = flags.DEFINE_integer(
     "residual_blocks", 8, "N for block_attnres (sublayer blocks) and article_block (layer blocks); capped at "
@@ -66,6 +72,9 @@ _ISOLATE = flags.DEFINE_bool("isolate", True, "One subprocess per (variant, dept
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse a (variant, depth) result already in --workdir with the "
                            "same settings (resume an interrupted sweep).")
 _NOTES_FILE = flags.DEFINE_string("notes_file", "", "Markdown appended to the table as 'What happened'.")
+_REPORT_FROM = flags.DEFINE_string(
+    "report_from", "", "Rewrite <out>.md and the plots from this existing results JSON (keeps its date, machine "
+    "and raw numbers; adds --notes_file) instead of training.")
 _WORKER = flags.DEFINE_string("worker", "", "Internal: JSON {settings, variant, depth, out} run by a subprocess.")
 
 
@@ -77,12 +86,12 @@ class Settings:
     num_heads: int = 4
     head_dim: int = 16
     d_ff: int = 192
-    seq_len: int = 128
+    seq_len: int = 64
     batch_size: int = 8
-    steps: int = 300
+    steps: int = 150
     learning_rate: float = 3e-3
-    warmup_steps: int = 30
-    eval_every: int = 50
+    warmup_steps: int = 15
+    eval_every: int = 25
     eval_batches: int = 4
     residual_blocks: int = 8
     dtype: str = "float32"
@@ -195,7 +204,8 @@ def _run_isolated(settings: Settings, variant: str, num_layers: int, seeds: list
     path = _group_path(workdir, variant, num_layers)
     spec = json.dumps({"settings": dataclasses.asdict(settings), "variant": variant, "num_layers": num_layers,
                        "seeds": seeds, "workdir": workdir, "out": path})
-    subprocess.run([sys.executable, "-m", "experiments.depth_residuals", f"--worker={spec}"], check=True)
+    subprocess.run([sys.executable, "-m", "experiments.depth_residuals", f"--worker={spec}", "--verbosity=-1"],
+                   check=True)
     with open(path) as f:
         return json.load(f)
 
@@ -366,11 +376,13 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict | None = None) -> dict:
-    """Write `<out>.json`, `<out>.md` and the plots; return the JSON document."""
+def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict | None = None,
+                  machine: dict | None = None) -> dict:
+    """Write `<out>.json`, `<out>.md` and the plots; return the JSON document. `machine` (default: this
+    machine now) is given when re-rendering an earlier sweep's results."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     rows = summary_rows(groups)
-    doc = {"experiment": "depth_residuals (issue 6)", "machine": machine_info(), "sweep": sweep or {},
+    doc = {"experiment": "depth_residuals (issue 6)", "machine": machine or machine_info(), "sweep": sweep or {},
            "rows": rows, "groups": groups}
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
@@ -407,6 +419,16 @@ def main(argv):
         with open(spec["out"], "w") as f:
             json.dump(group, f)
         return
+    notes = ""
+    if _NOTES_FILE.value:
+        with open(_NOTES_FILE.value) as f:
+            notes = f.read()
+    if _REPORT_FROM.value:
+        with open(_REPORT_FROM.value) as f:
+            old = json.load(f)
+        write_outputs(old["groups"], _OUT.value, notes=notes, sweep=old["sweep"], machine=old["machine"])
+        print(markdown_table(summary_rows(old["groups"])))
+        return
     settings = Settings(d_model=_D_MODEL.value, num_heads=_NUM_HEADS.value, head_dim=_HEAD_DIM.value,
                         d_ff=_D_FF.value, seq_len=_SEQ_LEN.value, batch_size=_BATCH_SIZE.value, steps=_STEPS.value,
                         learning_rate=_LEARNING_RATE.value, warmup_steps=_WARMUP_STEPS.value,
@@ -417,10 +439,6 @@ def main(argv):
     start = time.time()
     groups = run_sweep(settings, _VARIANTS.value, depths, seeds, workdir=_WORKDIR.value, isolate=_ISOLATE.value,
                        reuse=_REUSE.value)
-    notes = ""
-    if _NOTES_FILE.value:
-        with open(_NOTES_FILE.value) as f:
-            notes = f.read()
     write_outputs(groups, _OUT.value, notes=notes,
                   sweep={"variants": _VARIANTS.value, "depths": depths, "seeds": seeds,
                          "isolate": _ISOLATE.value, "sweep_wall_seconds": time.time() - start})
