@@ -83,10 +83,10 @@ def _tile_gemm(a, b, tile_dtype):
     The backward is computed from the fp32 operands at HIGHEST precision: differentiating through the
     bf16 rounding of factors as large as e^80 puts ~5% RMS error into dg (measured on the ANCHORS input
     recipe: 5.0e-2 vs the fp32 recurrence, above fla's 0.02). fla 0.6 moved the same backward tiles to
-    bf16x3 for the same reason. a, b: fp32 [..., nt, tile, K] -> fp32 [..., nt, tile, tile].
+    bf16x3 for the same reason. a, b: fp32 (or fp64) [..., nt, tile, K] -> a.dtype [..., nt, tile, tile].
     """
     return jnp.einsum("...bik,...bjk->...bij", a.astype(tile_dtype), b.astype(tile_dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=a.dtype)
 
 
 def _tile_gemm_fwd(a, b, tile_dtype):
@@ -131,7 +131,7 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, til
     if bounded:
         # ONE dense GEMM per diagonal tile: exp(a_b - G_j) <= e^(16 |lower_bound|) <= e^80.
         k_diag = kt * jnp.exp(anchor[..., None, :] - Gt)
-        diag = jnp.where(tri, _tile_gemm(a_anch, k_diag, jnp.dtype(tile_dtype)).astype(G.dtype), 0.0)
+        diag = jnp.where(tri, _tile_gemm(a_anch, k_diag, jnp.dtype(tile_dtype)), 0.0)
     else:
         # Exact pairwise exponents on the kept entries only: exp(G_i - G_j) with G_i - G_j <= 0.
         pair = _masked_exp(Gt[..., :, None, :] - Gt[..., None, :, :], tri[:, :, None])   # [.., nt, i, j, K]
