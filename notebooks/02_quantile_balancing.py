@@ -105,7 +105,8 @@ for method in METHODS:
     workdir = tempfile.mkdtemp(prefix=f"k3jax_nb02_{method}_")
     cfg = run_config_from_dict({
         "workdir": workdir, "seed": 0,
-        "model": dict(d_model=32 if SMALL else 128, num_layers=2, num_heads=2, head_dim=16, d_ff=32,
+        "model": dict(d_model=32 if SMALL else 128, num_layers=2, num_heads=2 if SMALL else 4,
+                      head_dim=16 if SMALL else 32, d_ff=32 if SMALL else 128,
                       ffn="moe", moe_num_experts=8, moe_top_k=2, moe_balancing=method),
         "data": dict(source=CORPUS, seq_len=64, batch_size=4 if SMALL else 16, cache_dir=cache_dir),
         "train": dict(steps=STEPS, learning_rate=3e-3, warmup_steps=2, eval_every=STEPS, eval_batches=1,
