@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops.kda import kda_chunked, kda_gate, kda_recurrent
+from k3jax.ops.kda import kda_chunked, kda_gate, kda_gate_init, kda_recurrent
 from k3jax.ops.kda_chunked import _kda_chunked
 
 FLAGS = flags.FLAGS
@@ -63,9 +63,7 @@ def make_inputs(key, B, T, H, K, gate, setting):
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     v = jax.random.normal(ks[2], (B, T, H, K))
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    A_log = jnp.log(jax.random.uniform(ks[4], (H,), minval=1.0, maxval=16.0))
-    dt = jnp.exp(jax.random.uniform(ks[5], (H * K,), minval=np.log(1e-3), maxval=np.log(1e-1)))
-    dt_bias = dt + jnp.log(-jnp.expm1(-dt))
+    A_log, dt_bias = kda_gate_init(ks[4], ks[5], H, K)
     mean, std = SETTINGS[setting]
     g_raw = mean + std * jax.random.normal(ks[6], (B, T, H, K))
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound=LOWER_BOUND if gate == "bounded" else None)

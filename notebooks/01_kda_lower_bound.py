@@ -50,7 +50,7 @@ if "ipykernel" not in sys.modules or os.environ.get("MPLBACKEND") == "Agg":
 import matplotlib.pyplot as plt
 import numpy as np
 
-from k3jax.ops.kda import IMPLEMENTATIONS, kda, kda_gate, kda_recurrent
+from k3jax.ops.kda import IMPLEMENTATIONS, kda, kda_gate, kda_gate_init, kda_recurrent
 from k3jax.ops.kda_chunked import _kda_chunked
 
 SMALL = os.environ.get("K3JAX_NOTEBOOK_SMALL", "1") == "1"
@@ -77,9 +77,7 @@ def make_inputs(key, setting, gate):
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     v = jax.random.normal(ks[2], (B, T, H, K))
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    A_log = jnp.log(jax.random.uniform(ks[4], (H,), minval=1.0, maxval=16.0))
-    dt = jnp.exp(jax.random.uniform(ks[5], (H * K,), minval=np.log(1e-3), maxval=np.log(1e-1)))
-    dt_bias = dt + jnp.log(-jnp.expm1(-dt))
+    A_log, dt_bias = kda_gate_init(ks[4], ks[5], H, K)
     mean, std = SETTINGS[setting]
     g_raw = mean + std * jax.random.normal(ks[6], (B, T, H, K))
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound=LOWER_BOUND if gate == "bounded" else None)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops.kda import kda_gate
+from k3jax.ops.kda import kda_gate, kda_gate_init
 
 # fla's bf16 tolerances (tests/ops/test_kda.py): o and final state 0.005; dq, dk, dv, dh0 0.008;
 # dg, dbeta 0.02.
@@ -61,9 +61,7 @@ def make_kda_inputs(key, B, T, H, K, V=None, *, gate: str = "bounded", dtype=jnp
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     v = jax.random.normal(ks[2], (B, T, H, V))
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    A_log = jnp.log(jax.random.uniform(ks[4], (H,), minval=1.0, maxval=16.0))
-    dt = jnp.exp(jax.random.uniform(ks[5], (H * K,), minval=np.log(1e-3), maxval=np.log(1e-1)))
-    dt_bias = dt + jnp.log(-jnp.expm1(-dt))                                 # inverse softplus
+    A_log, dt_bias = kda_gate_init(ks[4], ks[5], H, K)
     if gate == "bounded":
         g = kda_gate(jax.random.normal(ks[6], (B, T, H, K)), jnp.zeros((H,)), lower_bound=-5.0)
     elif gate == "softplus":

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.ops.kda import kda, kda_decode_step, kda_gate
+from k3jax.ops.kda import kda, kda_decode_step, kda_gate, kda_gate_init
 from k3jax.ops.kda_chunked import validate_lower_bound
 from k3jax.ops.kda_reference import segment_restarts
 
@@ -88,9 +88,8 @@ class KimiDeltaAttention(nnx.Module):
         self.f_proj_a, self.f_proj_b = linear(d_model, K), linear(K, H * K)       # gate: D -> K -> H*K
         self.b_proj = linear(d_model, H)
         self.g_proj_a, self.g_proj_b = linear(d_model, K), linear(K, H * K, bias=True)   # output gate
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), param_dtype, 1.0, 16.0)))
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (H * K,), param_dtype, math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))                   # inverse softplus
+        A_log, dt_bias = kda_gate_init(rngs.params(), rngs.params(), H, K, dtype=param_dtype)
+        self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
         self.o_norm_weight = nnx.Param(jnp.ones((K,), param_dtype))
         self.o_proj = linear(H * K, d_model)
 

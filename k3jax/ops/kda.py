@@ -10,13 +10,15 @@ Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `fla/ops/kda` (naive.py, gate.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from k3jax.ops.kda_chunked import kda_chunked, validate_chunk_size, validate_lower_bound
 from k3jax.ops.kda_reference import kda_recurrent, l2_normalize
 
-__all__ = ["kda", "kda_gate", "kda_chunked", "kda_recurrent", "kda_decode_step", "IMPLEMENTATIONS"]
+__all__ = ["kda", "kda_gate", "kda_gate_init", "kda_chunked", "kda_recurrent", "kda_decode_step", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("recurrent", "chunked", "pallas")
 
@@ -62,6 +64,17 @@ def kda_gate(
     if lower_bound is None:
         return -A * jax.nn.softplus(x)
     return float(lower_bound) * jax.nn.sigmoid(A * x)
+
+
+def kda_gate_init(A_log_key, dt_key, num_heads: int, head_dim: int, *, dtype=jnp.float32):
+    """fla's initialisation of the gate parameters: (A_log [H], dt_bias [H*K]) in `dtype`.
+
+    A_log = log U(1, 16); dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 1e-1], so that
+    softplus(dt_bias) = dt. Source: fla `fla/layers/kda.py` (A_log, dt_bias init). Two keys, one per draw.
+    """
+    A_log = jnp.log(jax.random.uniform(A_log_key, (num_heads,), dtype, 1.0, 16.0))
+    dt = jnp.exp(jax.random.uniform(dt_key, (num_heads * head_dim,), dtype, math.log(1e-3), math.log(1e-1)))
+    return A_log, dt + jnp.log(-jnp.expm1(-dt))                            # inverse softplus
 
 
 def kda(
