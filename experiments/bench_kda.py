@@ -150,17 +150,34 @@ for shape in sys.argv[1].split(","):
 
 
 def run_fla(shapes) -> list[dict]:
-    """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU)."""
+    """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU).
+
+    The subprocess's rows are read as it prints them and, with --out, appended to `<out>_fla.jsonl`
+    at once: fla's Triton autotuning can take minutes per shape, and a run cut short keeps the
+    shapes it finished.
+    """
     import subprocess
+    rows = []
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    sink = open(FLAGS.out + "_fla.jsonl", "a") if FLAGS.out else None
     try:
-        proc = subprocess.run([sys.executable, "-c", FLA_SCRIPT, ",".join(shapes)], capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.Popen([sys.executable, "-c", FLA_SCRIPT, ",".join(shapes)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("ROW"):
+                rows.append(json.loads(line[3:]))
+                print(line.rstrip(), flush=True)
+                if sink:
+                    sink.write(line[3:])
+                    sink.flush()
+        if proc.wait():
+            print("fla stderr:", proc.stderr.read()[-800:], flush=True)
     except Exception as e:  # noqa: BLE001 -- a missing peer must not stop our own timings
         print("fla failed:", repr(e)[:300], flush=True)
-        return []
-    rows = [json.loads(line[3:]) for line in proc.stdout.splitlines() if line.startswith("ROW")]
-    if proc.returncode:
-        print("fla stderr:", proc.stderr[-800:], flush=True)
+    finally:
+        if sink:
+            sink.close()
     return rows
 
 
