@@ -97,6 +97,122 @@ def test_grouped_matmul_registry_hook_is_used():
             D.register_grouped_matmul("xla", fake)
     finally:
         D.GROUPED_MATMUL_IMPLEMENTATIONS.pop("test_hook")
+        D.GROUPED_MATMUL_SUPPORTED.pop("test_hook")
+
+
+def test_library_kernels_refused_off_gpu():
+    """On CPU the GPU library kernels are never chosen and an explicit request raises (fail-closed)."""
+    lhs = jnp.ones((128, 128), jnp.bfloat16)
+    rhs = jnp.ones((2, 128, 128), jnp.bfloat16)
+    sizes = jnp.array([100, 28], jnp.int32)
+    for name in ("tokamax", "jla"):
+        ok, reason = D.grouped_matmul_supported(name, lhs, rhs, sizes)
+        assert not ok and "NVIDIA" in reason
+        with pytest.raises(ValueError, match="does not support"):
+            D.grouped_matmul(lhs, rhs, sizes, implementation=name)
+    assert D.default_grouped_matmul(lhs, rhs, sizes) == "blocked"
+    with pytest.raises(ValueError, match="implementation"):
+        D.grouped_matmul_supported("cutlass", lhs, rhs, sizes)
+
+
+_H200 = ("gpu", "NVIDIA H200", "9.0")
+_RAGGED_DOT_DIMS = jax.lax.RaggedDotDimensionNumbers(  # jax.lax.ragged_dot's [M, K] x [E, K, N]
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _fake_library_modules(monkeypatch, *, tokamax=True, jla=True, jla_supports=True):
+    """Stand-ins for the GPU libraries (absent in CI): the same entry points, computed by
+    jax.lax.ragged_dot_general, with the real kernels' restrictions that matter here: tokamax refuses
+    operands of different dtypes (the failure of moe_gemm_h200.md) and leaves rows past sum(group_sizes)
+    unwritten (here: 7.0); jla returns the operand dtype."""
+    import sys
+    import types
+
+    calls = []
+    if tokamax:
+        mod = types.ModuleType("tokamax")
+
+        def general(lhs, rhs, group_sizes, dims, precision=None, preferred_element_type=None, *, implementation):
+            if lhs.dtype != rhs.dtype:
+                raise NotImplementedError(f"lhs and rhs must have same dtype (got {lhs.dtype=}, {rhs.dtype=})")
+            calls.append((implementation, str(lhs.dtype), str(rhs.dtype)))
+            out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
+            if dims.rhs_group_dimensions:  # row-ragged output: fake stale memory in the tail rows
+                tail = jnp.arange(out.shape[0]) >= jnp.sum(group_sizes)
+                out = jnp.where(tail[:, None], 7.0, out)
+            return out.astype(preferred_element_type)
+
+        mod.ragged_dot_general = general
+        mod.ragged_dot = lambda lhs, rhs, gs, preferred_element_type=None, *, implementation: general(
+            lhs, rhs, gs, _RAGGED_DOT_DIMS, preferred_element_type=preferred_element_type,
+            implementation=implementation)
+        monkeypatch.setitem(sys.modules, "tokamax", mod)
+    if jla:
+        leaf = types.ModuleType("jla.ops.mosaic_gpu.ragged_dot")
+        leaf.supports = lambda lhs, rhs, gs: jla_supports
+        leaf.ragged_dot = lambda lhs, rhs, gs: jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+        names = ["jla", "jla.ops", "jla.ops.mosaic_gpu"]
+        mods = [types.ModuleType(n) for n in names]
+        mods[0].ops, mods[1].mosaic_gpu, mods[2].ragged_dot = mods[1], mods[2], leaf
+        for n, m in zip(names + [leaf.__name__], mods + [leaf]):
+            monkeypatch.setitem(sys.modules, n, m)
+    installed = {name for name, present in (("tokamax", tokamax), ("jla", jla)) if present}
+    monkeypatch.setattr(D, "_importable", lambda module: module in installed)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "platform,libs,dtype,m,expected",
+    [
+        (_H200, dict(tokamax=True, jla=True), jnp.bfloat16, 256, "tokamax"),
+        (_H200, dict(tokamax=False, jla=True), jnp.bfloat16, 256, "jla"),
+        (_H200, dict(tokamax=False, jla=True, jla_supports=False), jnp.bfloat16, 256, "xla"),
+        (_H200, dict(tokamax=False, jla=False), jnp.bfloat16, 256, "xla"),
+        (_H200, dict(tokamax=True, jla=True), jnp.float32, 256, "xla"),  # not bf16
+        (_H200, dict(tokamax=True, jla=True), jnp.bfloat16, 200, "xla"),  # M not a multiple of 128
+        (("gpu", "NVIDIA A100-SXM4-40GB", "8.0"), dict(tokamax=True, jla=True), jnp.bfloat16, 256, "xla"),
+        (("tpu", "TPU v5 lite", ""), dict(tokamax=True, jla=True), jnp.bfloat16, 256, "xla"),
+    ],
+)
+def test_gpu_default_is_the_library_kernel_only_where_supported(monkeypatch, platform, libs, dtype, m, expected):
+    _fake_library_modules(monkeypatch, **libs)
+    monkeypatch.setattr(D, "_platform", lambda: platform)
+    lhs = jax.ShapeDtypeStruct((m, 256), dtype)
+    rhs = jax.ShapeDtypeStruct((4, 256, 128), dtype)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert D.default_grouped_matmul(lhs, rhs, sizes) == expected
+    # without operands: the platform + installed libraries decide
+    platform_ok = platform == _H200 and (libs["tokamax"] or libs["jla"])
+    assert D.default_grouped_matmul() == (("tokamax" if libs["tokamax"] else "jla") if platform_ok else "xla")
+
+
+@pytest.mark.parametrize("name", ["tokamax", "jla"])
+def test_library_adapters_match_xla_forward_and_gradients_with_fp32_cotangent(monkeypatch, name):
+    """Adapters on the mocked libraries, as the MoE calls them: bf16 operands, fp32 output, an fp32
+    cotangent (the case that broke tokamax's own VJP). 56 tail rows must come back zero in the output
+    and in d_lhs; grads equal the xla path's within bf16 rounding."""
+    calls = _fake_library_modules(monkeypatch)
+    monkeypatch.setattr(D, "_platform", lambda: _H200)
+    m, k, n = 256, 128, 256
+    sizes = jnp.array([90, 0, 64, 46], jnp.int32)  # sum 200 < M
+    lhs = jax.random.normal(jax.random.PRNGKey(6), (m, k)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(jax.random.PRNGKey(7), (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
+    cot = jax.random.normal(jax.random.PRNGKey(8), (m, n))
+
+    def run(impl):
+        f = lambda a, b: D.grouped_matmul(a, b, sizes, implementation=impl)  # noqa: E731
+        y, vjp = jax.vjp(f, lhs, rhs)
+        return y, vjp(cot)
+
+    y, (d_lhs, d_rhs) = run(None if name == "tokamax" else name)
+    y_x, (d_lhs_x, d_rhs_x) = run("xla")
+    assert y.dtype == jnp.float32 and d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    assert float(jnp.abs(y[200:]).max()) == 0.0 and float(jnp.abs(d_lhs[200:]).max()) == 0.0
+    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))  # noqa: E731
+    assert rel(y, y_x) < 4e-3  # jla rounds its output to bf16
+    assert rel(d_lhs, d_lhs_x) < 1e-2 and rel(d_rhs, d_rhs_x) < 1e-2
+    if name == "tokamax":  # forward, d_lhs, d_rhs through tokamax, all with bf16 operands
+        assert calls == [("mosaic_gpu", "bfloat16", "bfloat16")] * 3
 
 
 def test_permute_sorts_by_expert_stably_and_combine_inverts():

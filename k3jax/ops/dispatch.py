@@ -13,10 +13,22 @@ Capacity dispatch (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021 §2.2
 (row-major over ``[N, k]``: token 0 slot 0, token 0 slot 1, ..., token 1 slot 0, ...); rows past C are
 dropped and contribute ZERO, so the token passes through the residual connection unchanged by that
 expert. Padding tokens never take capacity.
+
+Grouped-matmul kernels (:func:`grouped_matmul`, ``implementation=``): "xla" (``jax.lax.ragged_dot``),
+"blocked" (the CPU default), and two GPU library kernels, each imported only when called and used only
+where its ``supported`` check passes (NVIDIA sm_90, bf16 operands, M/K/N multiples of 128):
+"tokamax" (tokamax 0.0.17 ``ragged_dot(implementation="mosaic_gpu")``, with our VJP that casts the
+cotangent to the operand dtype) and "jla" (jax-linear-attention 0.1.0 Mosaic GPU grouped GEMM). Neither
+library is a dependency: on the GPU machine install the wheels in ``.whl/`` (``pip install
+.whl/tokamax-*.whl .whl/einshape-*.whl .whl/pydantic*.whl .whl/annotated_types-*.whl
+.whl/typing_inspection-*.whl .whl/qwix-*.whl .whl/immutabledict-*.whl
+.whl/jax_linear_attention-*.whl``). Without them ``implementation=None`` uses "xla" on GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -25,13 +37,16 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "GPU_PREFERENCE",
     "GROUPED_MATMUL_IMPLEMENTATIONS",
+    "GROUPED_MATMUL_SUPPORTED",
     "CapacityDispatch",
     "capacity_dispatch",
     "capacity_moe",
     "combine",
     "default_grouped_matmul",
     "grouped_matmul",
+    "grouped_matmul_supported",
     "grouped_swiglu",
     "permute",
     "register_grouped_matmul",
@@ -82,25 +97,224 @@ def _blocked_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, block
     return jnp.take(out, dest, axis=0)
 
 
+def _always_supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:
+    del lhs, rhs, group_sizes, preferred_element_type
+    return True, ""
+
+
+def _platform() -> tuple[str, str, str]:
+    """``(backend, device_kind, compute_capability)`` of the default device ("" where absent).
+
+    One function so the CPU tests can pretend to be an H200 (monkeypatch) and exercise the GPU selection.
+    """
+    device = jax.devices()[0]
+    return jax.default_backend(), str(device.device_kind), str(getattr(device, "compute_capability", ""))
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (no work at import time)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# The library kernels are checked on what they were measured on: bf16 operands of one dtype on an
+# H100/H200 (sm_90), K and N multiples of 128 (the forward, d_lhs and d_rhs GEMMs all need it), M a
+# multiple of 128 rows. Everything else goes to "xla" (fail-closed).
+LIBRARY_TILE = 128
+LIBRARY_MAX_GROUPS = 1024
+
+
+def _library_supported(module: str):
+    def supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:
+        backend, kind, capability = _platform()
+        if backend != "gpu" or "NVIDIA" not in kind.upper():
+            return False, f"needs an NVIDIA GPU; got {backend=}, {kind=}"
+        if capability != "9.0":
+            return False, f"tested on sm_90 (H100/H200) only; got compute capability {capability!r}"
+        if not _importable(module):
+            return False, f"{module} is not installed (GPU wheels: see k3jax.ops.dispatch docs)"
+        if jnp.dtype(lhs.dtype) != jnp.bfloat16 or jnp.dtype(rhs.dtype) != jnp.bfloat16:
+            return False, f"needs bf16 lhs and rhs; got {lhs.dtype=}, {rhs.dtype=}"
+        if jnp.dtype(preferred_element_type) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            return False, f"preferred_element_type must be bf16 or fp32; got {preferred_element_type=}"
+        (m, k), (e, _, n) = lhs.shape, rhs.shape
+        if m % LIBRARY_TILE or k % LIBRARY_TILE or n % LIBRARY_TILE:
+            return False, f"M, K, N must be multiples of {LIBRARY_TILE}; got {lhs.shape=}, {rhs.shape=}"
+        if not 1 <= e <= LIBRARY_MAX_GROUPS:
+            return False, f"needs 1 <= E <= {LIBRARY_MAX_GROUPS}; got {rhs.shape=}"
+        return True, ""
+
+    return supported
+
+
+def _mask_tail_rows(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Zero rows at or after ``sum(group_sizes)`` (ragged_dot semantics; kernels may leave them unwritten)."""
+    valid = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+# tokamax's dimension numbers for the two backward GEMMs (tokamax/_src/ops/ragged_dot/base.py):
+# d_lhs [M, K] = d_out [M, N] . rhs[g]^T (contract N with rhs dim 2), d_rhs [E, K, N] = lhs^T d_out
+# per group (the ragged dimension M is contracted).
+_TRANS_RHS_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+_RAGGED_CONTRACTING_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+TOKAMAX_IMPLEMENTATION = "mosaic_gpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype):
+    import tokamax  # noqa: PLC0415 -- optional GPU dependency, imported only when used
+
+    return tokamax.ragged_dot(
+        lhs, rhs, group_sizes, preferred_element_type=out_dtype, implementation=TOKAMAX_IMPLEMENTATION
+    )
+
+
+def _tokamax_ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype):
+    return _tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+
+
+def _tokamax_ragged_dot_bwd(out_dtype, residuals, d_out):
+    import tokamax  # noqa: PLC0415
+
+    del out_dtype
+    lhs, rhs, group_sizes = residuals
+    # tokamax's own VJP feeds the cotangent in its dtype to kernels that need both operands in ONE dtype
+    # (fp32 d_out x bf16 weights fails: moe_gemm_h200.md). Cast it to the operand dtype first.
+    d_out = d_out.astype(lhs.dtype)
+    d_lhs = tokamax.ragged_dot_general(
+        d_out, rhs, group_sizes, _TRANS_RHS_DIMS, preferred_element_type=lhs.dtype,
+        implementation=TOKAMAX_IMPLEMENTATION,
+    )
+    d_rhs = tokamax.ragged_dot_general(
+        lhs, d_out, group_sizes, _RAGGED_CONTRACTING_DIMS, preferred_element_type=rhs.dtype,
+        implementation=TOKAMAX_IMPLEMENTATION,
+    )
+    return _mask_tail_rows(d_lhs, group_sizes), d_rhs, None
+
+
+_tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
+
+
+def _tokamax_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type):
+    """tokamax 0.0.17 ``ragged_dot(implementation="mosaic_gpu")`` (Pallas Mosaic GPU, sm_90 kernel) with
+    our own VJP: the cotangent is cast to the operand dtype, then d_lhs and d_rhs are tokamax's
+    ``ragged_dot_general`` with the dimension numbers of tokamax's ``base.vjp``. Tail rows are masked."""
+    out = _tokamax_ragged_dot(lhs, rhs, group_sizes, jnp.dtype(preferred_element_type))
+    return _mask_tail_rows(out, group_sizes)
+
+
+def _jla_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type):
+    """jax-linear-attention 0.1.0 ``jla.ops.mosaic_gpu.ragged_dot.ragged_dot`` (Mosaic GPU grouped GEMM
+    with its own VJP, bf16 cotangent). Its output has the operand dtype: an fp32 result is the bf16
+    output cast up (fp32 accumulation, bf16 rounding of the result)."""
+    from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415 -- optional GPU dependency
+
+    return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes).astype(preferred_element_type)
+
+
+def _jla_supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:
+    ok, reason = _library_supported("jla")(lhs, rhs, group_sizes, preferred_element_type)
+    if not ok:
+        return ok, reason
+    from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415
+
+    if not jla_ragged_dot.supports(lhs, rhs, group_sizes):
+        return False, f"jla ragged_dot.supports rejects {lhs.shape=}, {rhs.shape=}"
+    return True, ""
+
+
 # Grouped-matmul implementations: name -> fn(lhs [M, K], rhs [E, K, N], group_sizes [E] int32,
-# preferred_element_type) -> [M, N], with jax.lax.ragged_dot semantics and differentiable (custom_vjp
-# if needed). "xla" is jax.lax.ragged_dot (correct everywhere; ~60x slower than the best GPU kernels
-# on an H200, ANCHORS.md; on CPU it costs ~E x the useful FLOPs). "blocked" is the CPU default (see
-# _blocked_grouped_matmul). A GPU kernel (tokamax ragged_dot / a Pallas Mosaic GPU kernel) is added
-# with register_grouped_matmul("<name>", fn) and made the GPU default in default_grouped_matmul().
-GROUPED_MATMUL_IMPLEMENTATIONS: dict[str, Callable] = {"xla": _xla_ragged_dot, "blocked": _blocked_grouped_matmul}
+# preferred_element_type) -> [M, N], with jax.lax.ragged_dot semantics and differentiable.
+#   "xla": jax.lax.ragged_dot; correct everywhere, ~60x slower than the best kernels on an H200
+#          (ANCHORS.md) and ~E x the useful FLOPs on CPU.
+#   "blocked": the CPU default (_blocked_grouped_matmul).
+#   "tokamax": tokamax's Hopper Pallas kernel (_tokamax_grouped_matmul), GPU only.
+#   "jla": jax-linear-attention's Mosaic GPU grouped GEMM (_jla_grouped_matmul), GPU only.
+# GROUPED_MATMUL_SUPPORTED holds each one's supported(lhs, rhs, group_sizes, preferred_element_type)
+# -> (ok, reason); it only reads shapes and dtypes, so it works on tracers.
+GROUPED_MATMUL_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": _xla_ragged_dot,
+    "blocked": _blocked_grouped_matmul,
+    "tokamax": _tokamax_grouped_matmul,
+    "jla": _jla_grouped_matmul,
+}
+GROUPED_MATMUL_SUPPORTED: dict[str, Callable] = {
+    "xla": _always_supported,
+    "blocked": _always_supported,
+    "tokamax": _library_supported("tokamax"),
+    "jla": _jla_supported,
+}
+# Library kernels tried, in order, by implementation=None on GPU (tokamax first: the well-kept library).
+GPU_PREFERENCE: tuple[str, ...] = ("tokamax", "jla")
 
 
-def default_grouped_matmul() -> str:
-    """The implementation used for ``implementation=None``: "blocked" on CPU, "xla" elsewhere."""
-    return "blocked" if jax.default_backend() == "cpu" else "xla"
+def grouped_matmul_supported(
+    implementation: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+    preferred_element_type=jnp.float32,
+) -> tuple[bool, str]:
+    """Whether ``implementation`` is tested for this call: ``(ok, reason)``; reason is "" when ok.
+
+    Only shapes, dtypes and the platform are read (works on tracers). "xla" and "blocked" support
+    everything; "tokamax" and "jla" need the library installed, an NVIDIA sm_90 GPU, bf16 ``lhs`` and
+    ``rhs``, bf16/fp32 output and M, K, N multiples of 128 (and, for "jla", its own ``supports``).
+
+    Raises:
+      ValueError: unknown ``implementation``.
+    """
+    if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {sorted(GROUPED_MATMUL_IMPLEMENTATIONS)}; got {implementation=}"
+        )
+    check = GROUPED_MATMUL_SUPPORTED.get(implementation, _always_supported)
+    return check(lhs, rhs, group_sizes, preferred_element_type)
 
 
-def register_grouped_matmul(name: str, fn: Callable) -> None:
-    """Register a grouped-matmul implementation under ``name`` (the GPU-kernel hook).
+def default_grouped_matmul(
+    lhs: jax.Array | None = None,
+    rhs: jax.Array | None = None,
+    group_sizes: jax.Array | None = None,
+    preferred_element_type=jnp.float32,
+) -> str:
+    """The implementation used for ``implementation=None``.
+
+    CPU: "blocked". GPU/TPU: the first of :data:`GPU_PREFERENCE` ("tokamax", then "jla") that is
+    importable on an NVIDIA sm_90 GPU and, when the operands are given, supports this call
+    (:func:`grouped_matmul_supported`); otherwise "xla". Without operands only the platform and the
+    installed libraries are checked.
+    """
+    backend, _, _ = _platform()
+    if backend == "cpu":
+        return "blocked"
+    for name in GPU_PREFERENCE:
+        if name not in GROUPED_MATMUL_IMPLEMENTATIONS:
+            continue
+        if lhs is None:
+            probe_lhs = jax.ShapeDtypeStruct((LIBRARY_TILE, LIBRARY_TILE), jnp.bfloat16)
+            probe_rhs = jax.ShapeDtypeStruct((1, LIBRARY_TILE, LIBRARY_TILE), jnp.bfloat16)
+            probe_sizes = jax.ShapeDtypeStruct((1,), jnp.int32)
+            ok, _ = _library_supported(name)(probe_lhs, probe_rhs, probe_sizes, jnp.float32)
+        else:
+            ok, _ = grouped_matmul_supported(name, lhs, rhs, group_sizes, preferred_element_type)
+        if ok:
+            return name
+    return "xla"
+
+
+def register_grouped_matmul(name: str, fn: Callable, *, supported: Callable | None = None) -> None:
+    """Register a grouped-matmul implementation under ``name``.
 
     ``fn(lhs, rhs, group_sizes, preferred_element_type)`` must match ``jax.lax.ragged_dot``
-    (rows ``sum(group_sizes):M`` of the output are zero) and be differentiable.
+    (rows ``sum(group_sizes):M`` of the output are zero) and be differentiable. ``supported(lhs, rhs,
+    group_sizes, preferred_element_type) -> (ok, reason)`` says which calls it is tested for (default:
+    all). It is chosen only by name (``implementation=name``), never by ``implementation=None`` unless
+    listed in :data:`GPU_PREFERENCE`.
 
     Raises:
       ValueError: ``name`` is empty or already registered.
@@ -108,6 +322,7 @@ def register_grouped_matmul(name: str, fn: Callable) -> None:
     if not name or name in GROUPED_MATMUL_IMPLEMENTATIONS:
         raise ValueError(f"name must be new and non-empty; got {name=}")
     GROUPED_MATMUL_IMPLEMENTATIONS[name] = fn
+    GROUPED_MATMUL_SUPPORTED[name] = supported or _always_supported
 
 
 def grouped_matmul(
@@ -121,20 +336,24 @@ def grouped_matmul(
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
     Rows ``[o_g, o_g + group_sizes[g])`` of ``lhs`` (``o_g`` = sum of earlier sizes) are multiplied
-    by ``rhs[g]``; rows at or after ``sum(group_sizes)`` give zeros.
+    by ``rhs[g]``; rows at or after ``sum(group_sizes)`` give zeros. Differentiable in ``lhs`` and
+    ``rhs``; the gradients come back in the operand dtypes whatever the cotangent's dtype.
 
     Args:
-      lhs: ``[M, K]`` (bf16 or fp32). rhs: ``[E, K, N]`` same dtype. group_sizes: ``[E]`` int32,
+      lhs: ``[M, K]`` (bf16 or fp32). rhs: ``[E, K, N]`` same dtype. group_sizes: ``[E]`` int,
         ``sum <= M``.
-      implementation: None (= :func:`default_grouped_matmul`: "blocked" on CPU, "xla" elsewhere) or
-        a name in ``GROUPED_MATMUL_IMPLEMENTATIONS``. Fail-closed: an unknown name raises.
+      implementation: None = :func:`default_grouped_matmul` for this call ("blocked" on CPU; on an
+        H100/H200 the library kernel "tokamax" or "jla" when installed and tested for these
+        shapes/dtypes, else "xla"), or a name in ``GROUPED_MATMUL_IMPLEMENTATIONS``. Fail-closed: an
+        unknown name, or a name whose ``supported`` check rejects the call, raises.
       preferred_element_type: accumulation/output dtype (fp32 default: bf16 operands, fp32 accum).
 
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
 
     Raises:
-      ValueError: bad ranks/shapes or unknown ``implementation``.
+      ValueError: bad ranks/shapes, unknown ``implementation``, or an explicit ``implementation``
+        that does not support the call (the message gives the reason).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
@@ -142,14 +361,15 @@ def grouped_matmul(
         )
     if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"shape mismatch: {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
-    name = default_grouped_matmul() if implementation is None else implementation
-    if name not in GROUPED_MATMUL_IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be None or one of {sorted(GROUPED_MATMUL_IMPLEMENTATIONS)}; got {implementation=}"
-        )
-    return GROUPED_MATMUL_IMPLEMENTATIONS[name](
-        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type
-    )
+    group_sizes = group_sizes.astype(jnp.int32)
+    if implementation is None:
+        name = default_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type)
+    else:
+        name = implementation
+        ok, reason = grouped_matmul_supported(name, lhs, rhs, group_sizes, preferred_element_type)
+        if not ok:
+            raise ValueError(f"{implementation=} does not support this call: {reason}")
+    return GROUPED_MATMUL_IMPLEMENTATIONS[name](lhs, rhs, group_sizes, preferred_element_type)
 
 
 class Permutation(NamedTuple):
