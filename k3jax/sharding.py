@@ -28,12 +28,19 @@ __all__ = [
 ]
 
 
-def make_mesh(data: int, expert: int, *, devices=None) -> Mesh:
-    """A ``(data, expert)`` mesh with explicit axis types.
+def make_mesh(data: int, expert: int, *, devices=None, explicit: bool = True) -> Mesh:
+    """A ``(data, expert)`` mesh; both axes ``AxisType.Explicit`` (default) or both ``AxisType.Auto``.
+
+    Explicit axes (sharding in types) suit the MoE layer alone. A whole
+    :class:`~k3jax.models.lm.LanguageModel` needs ``explicit=False``: its KDA/attention ops index and
+    reshape the sharded batch in ways that explicit mode rejects without per-op ``out_sharding``, while
+    with Auto axes ``jax.jit`` propagates the input shardings (GSPMD) and only the MoE layers run under
+    ``jax.shard_map``.
 
     Args:
       data, expert: axis sizes; ``data · expert`` must equal the number of devices used.
       devices: optional device list (default: ``jax.devices()``).
+      explicit: axis type of both axes (True = Explicit, False = Auto).
 
     Raises:
       ValueError: sizes < 1 or the product does not match the device count.
@@ -41,9 +48,8 @@ def make_mesh(data: int, expert: int, *, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     if data < 1 or expert < 1 or data * expert != len(devices):
         raise ValueError(f"need data·expert == {len(devices)} devices; got {data=}, {expert=}")
-    return jax.make_mesh(
-        (data, expert), (DATA, EXPERT), axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices
-    )
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh((data, expert), (DATA, EXPERT), axis_types=(axis_type, axis_type), devices=devices)
 
 
 def token_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -54,6 +54,8 @@ class ModelConfig:
       moe_quantile_estimator: "exact" or "histogram" (Quantile Balancing).
       moe_histogram_bins, moe_ema: histogram bins; optional EMA of the QB bias over steps.
       moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
+      moe_dispatch_implementation: grouped-matmul implementation of the dropless experts (None = the
+        best one tested for the call, see `k3jax.ops.dispatch.grouped_matmul`; checked by the layer).
       tie_embeddings: share the embedding table with the LM head.
       init_std: std of the normal init of embeddings.
     """
@@ -89,6 +91,7 @@ class ModelConfig:
     moe_histogram_bins: int = 1000
     moe_ema: float | None = None
     moe_capacity_factor: float | None = None
+    moe_dispatch_implementation: str | None = None
     tie_embeddings: bool = False
     init_std: float = 0.02
 

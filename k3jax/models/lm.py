@@ -31,7 +31,7 @@ def _make_mixer(cfg: ModelConfig, letter: str, rngs: nnx.Rngs):
                               implementation=cfg.kda_implementation, dtype=dtype, rngs=rngs)
 
 
-def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs):
+def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
     dtype = _dtype(cfg.dtype)
     if cfg.ffn == "mlp":
         return SwiGLU(cfg.d_model, cfg.d_ff, dtype=dtype, rngs=rngs)
@@ -40,7 +40,8 @@ def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs):
                           num_shared_experts=cfg.moe_num_shared_experts, score_func=cfg.moe_score_func,
                           routed_scaling_factor=cfg.moe_routed_scaling_factor,
                           balancing=cfg.balancing_config(), capacity_factor=cfg.moe_capacity_factor,
-                          dtype=dtype, rngs=rngs)
+                          dispatch_implementation=cfg.moe_dispatch_implementation, dtype=dtype, mesh=mesh,
+                          rngs=rngs)
 
 
 class LanguageModel(nnx.Module):
@@ -49,15 +50,29 @@ class LanguageModel(nnx.Module):
     `__call__(inputs [B, T] int32, *, segment_ids [B, T], positions [B, T])` returns
     `(logits [B, T, padded_vocab] fp32, aux)`; `aux` is a dict with "moe" (a list of per-MoE-layer aux
     dicts, empty for MLP models). Parameters are fp32; activations in `cfg.dtype`.
+
+    Expert parallelism: `mesh` (a `(data, expert)` mesh from `k3jax.sharding.make_mesh(...,
+    explicit=False)`: the KDA/attention ops are written for GSPMD propagation, not sharding-in-types) is passed to
+    every MoE FFN, which then runs under `jax.shard_map` with the batch sharded over both axes and the
+    experts over "expert" (two all_to_all per layer; balancing statistics psum'ed over both axes).
+    Everything else runs under `jax.jit` with the shardings of its inputs: put the batch with
+    `k3jax.sharding.token_sharding`, expert weights with `shard_params` below and the rest replicated.
+    The batch size must divide by the device count. `mesh=None` (default) = one device / plain jit.
+
+    Raises:
+      ValueError: `mesh` given with `cfg.ffn != "moe"`, or rejected by `MoEFeedForward`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
+        if mesh is not None and cfg.ffn != "moe":
+            raise ValueError(f"mesh (expert parallelism) needs cfg.ffn == 'moe'; got {cfg.ffn=}")
         self.cfg = cfg
+        self.mesh = mesh
         dtype = _dtype(cfg.dtype)
         self.embed = nnx.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=dtype,
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
         self.mixers = nnx.List([_make_mixer(cfg, c, rngs) for c in cfg.layer_mixers])
-        self.ffns = nnx.List([_make_ffn(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.ffns = nnx.List([_make_ffn(cfg, rngs, mesh) for _ in range(cfg.num_layers)])
         norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)  # noqa: E731
         self.mixer_norms = nnx.List([norm() for _ in range(cfg.num_layers)])
         self.ffn_norms = nnx.List([norm() for _ in range(cfg.num_layers)])
@@ -72,6 +87,27 @@ class LanguageModel(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=dtype,
                                    kernel_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
+
+    def shard_params(self) -> None:
+        """Place every parameter and variable on `self.mesh`: routed expert weights `[E, ...]` sharded
+        over "expert" (replicated over "data"), everything else replicated. No-op without a mesh."""
+        if self.mesh is None:
+            return
+        from k3jax import sharding as sharding_lib  # noqa: PLC0415
+        from k3jax.nn.moe import MoEFeedForward  # noqa: PLC0415
+        expert_names = ("w_gate", "w_up", "w_down")
+        experts = {id(getattr(f, n)) for f in self.ffns if isinstance(f, MoEFeedForward) for n in expert_names}
+        for _, variable in nnx.iter_graph(self):
+            if isinstance(variable, nnx.Variable):
+                value = variable.get_value()
+                if value is None:
+                    continue
+                if id(variable) not in experts:  # may be a pytree (balancing state)
+                    variable.set_value(jax.device_put(value, sharding_lib.replicated(self.mesh)))
+                    continue
+                target = (sharding_lib.expert_sharding(self.mesh, value.ndim) if id(variable) in experts
+                          else sharding_lib.replicated(self.mesh))
+                variable.set_value(jax.device_put(value, target))
 
     # -- the stack ---------------------------------------------------------------------------------
     def _run_stack(self, h, mixer_call, ffn_call) -> residual_ops.DepthForward:
