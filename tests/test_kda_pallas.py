@@ -5,7 +5,10 @@ comparisons against `kda_recurrent` with fla's tolerances (bf16: o and final sta
 0.008, dg/dbeta 0.02; fp32: FP32_TOLERANCE), run in Pallas interpret mode on CPU (CI, small shapes).
 Options the kernel does not implement (unbounded gates, segment_ids, use_qk_l2norm, other chunk
 sizes, fp64) are asserted to RAISE with the reason instead of being compared (fail-closed).
-`TestPallasGPU` (marker `gpu`) runs the same checks compiled for the H200 (Triton lowering) at
+`TestTritonLowering` lowers the forward and the gradient for CUDA on CPU with a faked H200
+(`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`): it catches "cannot lower to Triton"
+errors without a GPU (it does not compile the Triton IR, so shared-memory or register limits are only
+seen on the GPU). `TestPallasGPU` (marker `gpu`) runs the same checks compiled for the H200 (Triton lowering) at
 K = V = 128, T up to 8192, plus a 2^20-token forward with bounded gates.
 """
 import jax
@@ -135,6 +138,40 @@ class TestSupported:
         o_default, _ = kda(*_args(x), lower_bound=-5.0)
         o_chunked, _ = kda(*_args(x), lower_bound=-5.0, implementation="chunked")
         np.testing.assert_array_equal(o_default, o_chunked)
+
+
+def _fake_h200():
+    """A context manager that makes the Pallas Triton lowering target an H200 (sm_90) on any host."""
+    from unittest import mock
+    try:
+        from jax._src.pallas.triton import gpu_info
+        info = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0",
+                                compute_capability=90)
+    except (ImportError, AttributeError, TypeError) as e:   # private API moved: cannot fake
+        pytest.skip(f"cannot fake the GPU for the Triton lowering: {e!r}")
+    return mock.patch.object(gpu_info, "get_gpu_info", lambda: info)
+
+
+class TestTritonLowering:
+    """Forward and gradient lower to Triton IR for CUDA (K = V = 128, the benchmark's head dim)."""
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+    def test_lowers_for_cuda(self, dtype):
+        B, T, H, K = 1, 128, 2, 128
+        q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
+        g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+        beta = jax.ShapeDtypeStruct((B, T, H), dtype)
+
+        def fwd(q, k, v, g, beta):
+            return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0)[0]
+
+        def loss(*a):
+            return jnp.sum(fwd(*a).astype(jnp.float32))
+
+        with _fake_h200():
+            for fn, n_calls in ((fwd, 2), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 4)):
+                text = jax.jit(fn).trace(q, q, q, g, beta).lower(lowering_platforms=("cuda",)).as_text()
+                assert text.count("__gpu$xla.gpu.triton") == n_calls
 
 
 @pytest.mark.gpu

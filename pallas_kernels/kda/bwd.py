@@ -14,9 +14,11 @@ recomputes the chunk factors and pushes them to dq, dk, dv, dbeta, dg:
   pair scores M_ij = sum_c a_ic b_jc e^{G_ic - G_jc}: with a~ = a e^{G - anc}, b~ = b e^{anc - G},
   da = e^{G-anc} (dM b~), db = e^{anc-G} (dM^T a~), dG_i += a~ (dM b~), dG_j -= b~ (dM^T a~),
   and dg = reverse cumsum of dG within the chunk (plus dG_last on every row).
-Diagonal tiles of the backward and the dL = -A^T dA A^T products use fp32 operands with
-Precision.HIGHEST (IEEE fp32 on the Triton lowering); the other backward dots use fp32 operands at
-`common.mm_precision(input dtype)`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs.
+Precision (common.py): the dL = -A^T dA A^T products and the anchored score-tile backward dots (row
+blocks including the diagonal tiles, whose dG terms cancel in the reverse cumsum) use fp32 operands
+at `common.exact_precision`: HIGHEST (IEEE) for fp32 inputs, BF16_BF16_F32_X3 (split-bf16 tensor-core
+dots) for bf16 inputs. dX, dY, dA use `common.mm_precision`: HIGHEST for fp32 inputs, default (TF32
+on GPU) for bf16 inputs. The recomputed factors use the forward's precisions, so A matches.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import common as cm
-from pallas_kernels.kda.common import BT, F32, HIGHEST
+from pallas_kernels.kda.common import F32
 
 
 def _state_bwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h_ref, do_ref, dht_ref,
@@ -93,109 +95,83 @@ def state_bwd(qg, kd, w, u, aqk, gl, h, do, dht, *, chunk_size: int, block_v: in
            jax.ShapeDtypeStruct((NV, B, H, T, C), F32),
            jax.ShapeDtypeStruct((NV, B, H, NT, K), F32),
            jax.ShapeDtypeStruct((B, H, V, K), F32)],
-        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_state_bwd",
+        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_bwd",
     )(qg, kd, w, u, aqk, gl, h, do, dht)
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw_ref, du_ref,
                       daqk_ref, dgl_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dtype):
     C = q_ref.shape[0]
-    ns = C // BT
-    G, anc, G_last = cm.gate_cumsum(g_ref, ns)
-    q = cm.load_tiles(q_ref, ns, F32)
-    k = cm.load_tiles(k_ref, ns, F32)
-    v = cm.load_tiles(v_ref, ns, F32)
-    b = [x.astype(F32)[:, None] for x in cm.load_tiles(beta_ref, ns)]
-    dqg = cm.load_tiles(dqg_ref, ns)
-    dkd = cm.load_tiles(dkd_ref, ns)
-    dW = cm.load_tiles(dw_ref, ns)
-    dU = cm.load_tiles(du_ref, ns)
-    eG = [jnp.exp(x) for x in G]
+    gate = cm.Gate(g_ref[...].astype(F32))
+    G, G_last = gate.G, gate.G_last
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    v = v_ref[...].astype(F32)
+    b = beta_ref[...].astype(F32)[:, None]
+    p = cm.mm_precision(dtype)
+    exact = cm.exact_precision(dtype)
+    rows, cols = cm.iotas(C, C)
 
     # Qg = scale q e^G and Kd = k e^{G_last - G}; e^{G_last} from the state decay.
-    dq = [scale * eG[r] * dqg[r] for r in range(ns)]
-    dG = [scale * q[r] * eG[r] * dqg[r] for r in range(ns)]
-    dk, dbeta = [], []
-    dG_last = jnp.exp(G_last) * dgl_ref[...].reshape(G_last.shape)
-    for r in range(ns):
-        ekd = jnp.exp(G_last - G[r])
-        dk.append(ekd * dkd[r])
-        t = k[r] * ekd * dkd[r]
-        dG[r] = dG[r] - t
-        dG_last = dG_last + jnp.sum(t, axis=0, keepdims=True)
+    eG = jnp.exp(G)
+    dqg = dqg_ref[...].astype(F32)
+    dq = scale * eG * dqg
+    dG = q * dq
+    ekd = jnp.exp(G_last - G)
+    dk = ekd * dkd_ref[...].astype(F32)
+    t = k * dk
+    dG = dG - t
+    dG_last = jnp.exp(G_last) * dgl_ref[...].reshape(G_last.shape) + jnp.sum(t, axis=0, keepdims=True)
 
     # Recompute the chunk factors (forward precision, so A matches the forward's A).
-    f = cm.chunk_factors(q, k, v, b, G, anc, scale=scale, dtype=dtype)
+    f = cm.chunk_factors(q, k, v, b, gate, scale=scale, dtype=dtype)
     A, X, Y, M = f["A"], f["X"], f["Y"], f["M"]
-    p = cm.mm_precision(dtype)
 
     # W = A X, U = A Y.
-    dv = []
-    for s in range(ns):
-        dX = dY = None
-        for r in range(s, ns):
-            tx, ty = cm.dot_tn(A[(r, s)], dW[r], p), cm.dot_tn(A[(r, s)], dU[r], p)
-            dX = tx if dX is None else dX + tx
-            dY = ty if dY is None else dY + ty
-        dk[s] = dk[s] + b[s] * eG[s] * dX
-        dG[s] = dG[s] + X[s] * dX
-        dv.append(b[s] * dY)
-        dbeta.append(jnp.sum(eG[s] * k[s] * dX, axis=1, keepdims=True)
-                     + jnp.sum(v[s] * dY, axis=1, keepdims=True))
-    dA = {(r, qq): cm.dot_nt(dW[r], X[qq], p) + cm.dot_nt(dU[r], Y[qq], p)
-          for r in range(ns) for qq in range(r + 1)}
-    # dL = -A^T dA A^T on the lower block triangle: T1_rq = sum_{p >= r} A_pr^T dA_pq (q <= r).
-    T1 = {}
-    for r in range(ns):
-        for qq in range(r + 1):
-            acc = None
-            for m in range(r, ns):
-                t = cm.dot_tn(A[(m, r)], dA[(m, qq)], HIGHEST)
-                acc = t if acc is None else acc + t
-            T1[(r, qq)] = acc
-    strict = cm.mask(True)
-    full = cm.mask(False)
-    for r in range(ns):
-        ar = anc[r]
-        er = jnp.exp(G[r] - ar)
-        qt = scale * q[r] * er                     # a~ for Aqk
-        kt_r = k[r] * er                           # a~ for M
-        for s in range(r + 1):
-            acc = None
-            for qq in range(s + 1):
-                t = cm.dot_nt(T1[(r, qq)], A[(s, qq)], HIGHEST)
-                acc = t if acc is None else acc + t
-            dL = -acc
-            dmaqk = daqk_ref[pl.ds(r * BT, BT), pl.ds(s * BT, BT)]
-            if s == r:
-                dL = jnp.where(strict, dL, 0.0)
-                dmaqk = jnp.where(full, dmaqk, 0.0)
-            dbeta[r] = dbeta[r] + jnp.sum(dL * M[(r, s)], axis=1, keepdims=True)
-            dM = b[r] * dL
-            prec = HIGHEST if s == r else p
-            es = jnp.exp(ar - G[s])
-            kt_s = k[s] * es                       # b~ (k) for both M and Aqk
-            da_m = cm.dot(dM, kt_s, prec)          # [BT, K]
-            da_q = cm.dot(dmaqk, kt_s, prec)
-            db = cm.dot_tn(dM, kt_r, prec) + cm.dot_tn(dmaqk, qt, prec)
-            dk[r] = dk[r] + er * da_m
-            dq[r] = dq[r] + scale * er * da_q
-            dG[r] = dG[r] + kt_r * da_m + qt * da_q
-            dk[s] = dk[s] + es * db
-            dG[s] = dG[s] - kt_s * db
+    dW = dw_ref[...].astype(F32)
+    dU = du_ref[...].astype(F32)
+    dX = cm.dot_tn(A, dW, p)
+    dY = cm.dot_tn(A, dU, p)
+    dk = dk + b * eG * dX
+    dG = dG + X * dX
+    dv = b * dY
+    dbeta = (jnp.sum(eG * k * dX, axis=1, keepdims=True)
+             + jnp.sum(v * dY, axis=1, keepdims=True))
+    # A = (I + L)^-1: dL = -A^T dA A^T on the strict lower triangle (dA restricted to A's support).
+    dA = jnp.where(rows >= cols, cm.dot_nt(dW, X, p) + cm.dot_nt(dU, Y, p), 0.0)
+    dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
+    dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
+    dM = b * dL
+    dAqk = jnp.where(rows >= cols, daqk_ref[...].astype(F32), 0.0)
 
-    # dg = reverse cumsum of dG within the chunk, plus dG_last on every row.
-    upper = jnp.where(lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
-                      >= lax.broadcasted_iota(jnp.int32, (BT, BT), 0), 1.0, 0.0).astype(F32)
-    carry = dG_last
-    for r in reversed(range(ns)):
-        rows = pl.ds(r * BT, BT)
-        dg_ref[rows, :] = (cm.dot(upper, dG[r], HIGHEST) + carry).astype(dg_ref.dtype)
-        carry = carry + jnp.sum(dG[r], axis=0, keepdims=True)
-        dq_ref[rows, :] = dq[r].astype(dq_ref.dtype)
-        dk_ref[rows, :] = dk[r].astype(dk_ref.dtype)
-        dv_ref[rows, :] = dv[r].astype(dv_ref.dtype)
-        dbeta_ref[rows] = dbeta[r].reshape(BT).astype(dbeta_ref.dtype)
+    # Anchored score tiles, per row block r (rows of block r, anchor anc_r):
+    # S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}:
+    # da = e^{G - anc} (dS b~), db = e^{anc - G} (dS^T a~), dG += a~ (dS b~), dG -= b~ (dS^T a~).
+    kt = k * gate.ea                                  # a~ of M (rows in their own block's anchor)
+    qt = scale * q * gate.ea                          # a~ of Aqk
+    sa_m = sa_q = sb = None
+    for r in range(gate.ns):
+        eb = gate.eb(r)
+        kb = k * eb                                   # b~ (k is the b operand of both M and Aqk)
+        dm_r = jnp.where(gate.rb == r, dM, 0.0)
+        dq_r = jnp.where(gate.rb == r, dAqk, 0.0)
+        am = cm.dot(dm_r, kb, exact)
+        aq = cm.dot(dq_r, kb, exact)
+        bb = eb * (cm.dot_tn(dm_r, kt, exact) + cm.dot_tn(dq_r, qt, exact))
+        sa_m = am if sa_m is None else sa_m + am
+        sa_q = aq if sa_q is None else sa_q + aq
+        sb = bb if sb is None else sb + bb
+    dk = dk + gate.ea * sa_m + sb
+    dq = dq + scale * gate.ea * sa_q
+    dG = dG + kt * sa_m + qt * sa_q - k * sb
+
+    # dg = reverse cumsum of dG within the chunk (total - inclusive cumsum + dG), plus dG_last.
+    dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
+    dg_ref[...] = dg.astype(dg_ref.dtype)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dbeta_ref[...] = dbeta.reshape(C).astype(dbeta_ref.dtype)
 
 
 def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, chunk_size: int,
@@ -225,5 +201,5 @@ def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, ch
                    jax.ShapeDtypeStruct((B, H, T, V), v.dtype),
                    jax.ShapeDtypeStruct((B, H, T, K), F32),
                    jax.ShapeDtypeStruct((B, H, T), F32)],
-        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_intra_bwd",
+        interpret=interpret, compiler_params=cm.INTRA_PARAMS, name="kda_intra_bwd",
     )(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl)

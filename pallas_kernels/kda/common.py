@@ -1,40 +1,46 @@
 """Shared in-kernel building blocks for the KDA chunk kernels (forward and backward).
 
-All helpers run INSIDE a Pallas kernel body on values loaded from refs. They never slice values
-(the Triton lowering cannot); a chunk of C tokens is handled as C // BT sub-tiles of BT = 16 tokens
-loaded separately with `ref[pl.ds(...)]`, and matrices over the chunk are Python lists of 16x16
-tiles (static unrolling).
+All helpers run INSIDE a Pallas kernel body on values loaded from refs. The Triton lowering cannot
+slice or concatenate values, so every chunk quantity is one whole-chunk value ([C, K], [C, V] or
+[C, C] with C = 64) and the 16-token structure (diagonal tiles, row-block anchors) is expressed with
+iota masks and selects. This keeps the dots 64 wide (tensor-core friendly) and the live set small.
 
 Gate arithmetic is in natural-log units (nats) and fp32 throughout: G is the inclusive cumsum of the
 log-decay g inside the chunk, exp(G) the decay since the chunk start.
 
-Anchoring (ANCHORS.md section 1, fla `chunk_kda` with safe_gate): a score tile (r, s), s <= r, is
+Anchoring (ANCHORS.md section 1, fla `chunk_kda` with safe_gate): for a row i in the 16-row block r
+and a column j <= i, a score is
   sum_c a_ic b_jc exp(G_ic - G_jc) = [(a * exp(G - anc_r)) (b * exp(anc_r - G))^T]_ij
-with the CAUSAL anchor anc_r = cumsum before row tile r. Off-diagonal tiles (s < r) have both
-exponents <= 0. Diagonal tiles have exp(anc_r - G_j) <= exp(16 * |lower_bound|) <= e^80 < bf16/fp32
-max (e^88.7) when g >= lower_bound >= -5: one dense dot, masked with a select (never a multiply).
+with the CAUSAL anchor anc_r = the cumsum before row block r (row 16 r - 1 of G; 0 for r = 0).
+Columns in blocks before r have both exponents <= 0; columns in block r have
+exp(anc_r - G_j) <= exp(16 |lower_bound|) <= e^80 < bf16 / fp32 max (e^88.7) when
+g >= lower_bound >= -5. Columns after block r are not needed: their exponent is replaced by 0
+(a finite, unused value) and the result is masked with a select, never a multiply. One
+[C, K] x [K, C] dot per row block r gives the rows of block r ("row-block GEMM"; the other rows of
+that dot are discarded by a select).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BT = 16  # sub-tile length (tokens); the unit of the 16x16 diagonal tiles
+BT = 16  # diagonal tile / row-block length (tokens): the unit the lower_bound argument is made for
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
+BF16X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
-# Triton lowering parameters for every KDA kernel. num_stages=1: no software pipelining of the
-# chunk loops; with the default 3 stages the staged [64, 128] fp32 tiles of the state passes
-# exceed the H200's 227 KiB of shared memory (measured: 272 KiB requested at K = V = 128).
-# Ignored in interpret mode.
-COMPILER_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
+# Triton lowering parameters. num_stages=1: no software pipelining of the chunk loops; with the
+# default 3 stages the staged [64, 128] fp32 tiles of the state passes exceed the H200's 227 KiB of
+# shared memory (measured: 272 KiB requested at K = V = 128). The intra-chunk kernels hold several
+# [64, 128] fp32 values at once: 8 warps halve the registers per thread for each of them.
+# Module attributes so that the benchmark can sweep them; ignored in interpret mode.
+STATE_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
+INTRA_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=1)
 
 
 def mm_precision(dtype):
-    """Dot precision for the fp32-operand dots of a call with inputs of `dtype`.
+    """Dot precision for the bulk fp32-operand dots of a call with inputs of `dtype`.
 
     fp32 inputs: Precision.HIGHEST (IEEE fp32 on the Triton lowering; fp32 in, fp32 math).
     bf16 inputs: default (TF32 on GPU for the fp32 intermediates; the error budget is bf16's).
@@ -42,11 +48,16 @@ def mm_precision(dtype):
     return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else None
 
 
-def mask(strict: bool) -> jax.Array:
-    """[BT, BT] bool lower-triangular mask (i > j if strict else i >= j)."""
-    i = lax.broadcasted_iota(jnp.int32, (BT, BT), 0)
-    j = lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
-    return i > j if strict else i >= j
+def exact_precision(dtype):
+    """Dot precision for the error-sensitive dots: the (I + L)^-1 solve and its gradient, and the
+    backward of the anchored score tiles (whose dG terms cancel in the reverse cumsum).
+
+    fp32 inputs: Precision.HIGHEST (IEEE fp32). bf16 inputs: DotAlgorithmPreset.BF16_BF16_F32_X3
+    (three bf16 tensor-core dots on split operands, ~2^-16 relative, fp32 accumulate; fla 0.6 uses
+    bf16x3 for the backward diagonal tiles). XLA:CPU (interpret mode) runs this preset as an fp32
+    dot, so the CPU tests cannot see its rounding; the GPU tests can.
+    """
+    return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else BF16X3
 
 
 def dot(a, b, precision=None):
@@ -67,114 +78,123 @@ def dot_tn(a, b, precision=None):
                            preferred_element_type=F32)
 
 
-def load_tiles(ref, ns: int, dtype=None):
-    """Rows [BT*r, BT*r + BT) of a [C, ...] ref for r < ns, optionally cast."""
-    out = []
-    for r in range(ns):
-        x = ref[pl.ds(r * BT, BT)]
-        out.append(x if dtype is None else x.astype(dtype))
+def iotas(m: int, n: int):
+    """(row index, column index) int32 iotas of shape [m, n]."""
+    return (lax.broadcasted_iota(jnp.int32, (m, n), 0), lax.broadcasted_iota(jnp.int32, (m, n), 1))
+
+
+def row_block(n_rows: int):
+    """[n_rows, 1] int32: the 16-row block index of each row."""
+    return lax.div(lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0), jnp.int32(BT))
+
+
+def pick_row(x, i: int):
+    """Row i of x [m, n] as [1, n] (a masked reduction: exact, no value slicing)."""
+    rows = lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0, keepdims=True)
+
+
+class Gate:
+    """Chunk gate quantities from g [C, K] fp32 (nats).
+
+    G: inclusive cumsum [C, K]; G_last: [1, K]; anc: list of the ns = C / 16 row-block anchors
+    [1, K] (anc[0] = 0); rb: [C, 1] row-block index; ea = exp(G - anchor of the row's block) [C, K]
+    (<= 1).
+    """
+
+    def __init__(self, g):
+        C = g.shape[0]
+        self.ns = C // BT
+        self.G = jnp.cumsum(g, axis=0)
+        self.G_last = pick_row(self.G, C - 1)
+        self.rb = row_block(C)
+        self.anc = [jnp.zeros_like(self.G_last)] + [pick_row(self.G, r * BT - 1)
+                                                   for r in range(1, self.ns)]
+        anc_rows = jnp.zeros_like(self.G)
+        for r in range(1, self.ns):
+            anc_rows = jnp.where(self.rb == r, self.anc[r], anc_rows)
+        self.ea = jnp.exp(self.G - anc_rows)
+
+    def eb(self, r: int):
+        """exp(anc_r - G) on rows of blocks <= r, 1 on later rows (unused) [C, K]; <= e^{16|lb|}."""
+        return jnp.exp(jnp.where(self.rb <= r, self.anc[r] - self.G, 0.0))
+
+
+def anchored_scores(a, b, gate: Gate, *, dtype):
+    """S_ij = sum_c a_ic b_jc exp(G_ic - G_jc) for j in blocks <= block(i), as [C, C] fp32.
+
+    a, b: [C, K] fp32. Operands are cast to `dtype` (bf16 inputs: bf16 tensor-core dots, fp32
+    accumulate); one [C, K] x [K, C] dot per row block. Entries right of the row's block are
+    unspecified (finite): the caller masks.
+    """
+    at = (a * gate.ea).astype(dtype)
+    prec = mm_precision(dtype)
+    out = None
+    for r in range(gate.ns):
+        s = dot_nt(at, (b * gate.eb(r)).astype(dtype), prec)
+        out = s if out is None else jnp.where(gate.rb == r, s, out)
     return out
 
 
-def gate_cumsum(g_ref, ns: int):
-    """Chunk-local inclusive cumsum of g, per sub-tile.
+def block_diag_unit_lower_inverse(L):
+    """(I + Ld)^-1 where Ld is the 16x16 block-diagonal part of a strictly lower [C, C] fp32 L.
 
-    Returns (G tiles [BT, K] fp32, anchors [1, K] fp32 = cumsum before each tile, G_last [1, K]).
+    Forward substitution on all C / 16 diagonal tiles at once (exact fp32, elementwise): step t
+    sets row 16 b + t of every tile b to e - L[16 b + t, :] A, using only rows already final. A row
+    of one tile times A touches only that tile's columns (A is block-diagonal), so one masked
+    column-sum serves all tiles. 15 steps of two reductions, no dots.
     """
-    carry = None
-    tiles, anchors = [], []
-    for r in range(ns):
-        gt = g_ref[pl.ds(r * BT, BT), :].astype(F32)
-        if carry is None:
-            carry = jnp.zeros((1, gt.shape[1]), F32)
-        anchors.append(carry)
-        tiles.append(jnp.cumsum(gt, axis=0) + carry)
-        carry = carry + jnp.sum(gt, axis=0, keepdims=True)
-    return tiles, anchors, carry
-
-
-def anchored(a, G, anc, sign: float, dtype):
-    """a * exp(sign * (G - anc)) computed in fp32, cast to the dot operand dtype."""
-    return (a.astype(F32) * jnp.exp(sign * (G - anc))).astype(dtype)
-
-
-def pair_tiles(a_tiles, b_tiles, G_tiles, anchors, *, strict: bool, dtype):
-    """Lower block-triangle of M_ij = sum_c a_ic b_jc exp(G_ic - G_jc) (j < i if strict else j <= i).
-
-    Returns a dict {(r, s): [BT, BT] fp32} for s <= r; diagonal tiles are masked with a select.
-    Operands are cast to `dtype` (bf16 inputs: one bf16 tensor-core dot per tile, fp32 accumulate).
-    """
-    ns = len(a_tiles)
-    out = {}
-    for r in range(ns):
-        a_r = anchored(a_tiles[r], G_tiles[r], anchors[r], 1.0, dtype)
-        for s in range(r + 1):
-            b_s = anchored(b_tiles[s], G_tiles[s], anchors[r], -1.0, dtype)
-            m = dot_nt(a_r, b_s, mm_precision(dtype))
-            if s == r:
-                m = jnp.where(mask(strict), m, 0.0)
-            out[(r, s)] = m
-    return out
-
-
-def unit_lower_inverse(L):
-    """(I + L)^-1 for a strictly lower-triangular [BT, BT] fp32 L, by forward substitution.
-
-    Row i of the inverse is e_i - L_i (I + L)^-1 restricted to rows < i, which are final when row i
-    is computed. No value slicing: rows/columns are picked with iota masks and reductions.
-    """
-    rows = lax.broadcasted_iota(jnp.int32, (BT, BT), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
-    Lt = L.T
+    C = L.shape[0]
+    rows, cols = iotas(C, C)
+    rb, cb = lax.div(rows, jnp.int32(BT)), lax.div(cols, jnp.int32(BT))
+    Ldt = jnp.where(rb == cb, L, 0.0).T                 # Ldt[m, i] = Ld[i, m]
     A = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
 
-    def body(i, A):
-        li = jnp.sum(jnp.where(cols == i, Lt, 0.0), axis=1, keepdims=True)   # [BT, 1] = L[i, :]^T
-        upd = jnp.sum(li * A, axis=0, keepdims=True)                          # [1, BT] = L[i, :] A
-        return A - jnp.where(rows == i, upd, 0.0)
+    def body(t, A):
+        li = jnp.sum(jnp.where(cols == rb * BT + t, Ldt, 0.0), axis=1, keepdims=True)  # [C, 1]
+        upd = jnp.sum(li * A, axis=0, keepdims=True)                                  # [1, C]
+        return A - jnp.where(rows == cb * BT + t, upd, 0.0)
 
     return lax.fori_loop(1, BT, body, A)
 
 
-def block_unit_lower_inverse(L):
-    """(I + L)^-1 for a strictly lower block-triangular chunk matrix given as {(r, s): tile}, s <= r.
+def unit_lower_inverse(L, precision):
+    """(I + L)^-1 for a strictly lower-triangular [C, C] fp32 L (C = 16 ns).
 
-    A_rr = (I + L_rr)^-1;  A_rs = -A_rr sum_{s <= m < r} L_rm A_ms  (fp32, HIGHEST-precision dots).
+    Dinv = inverse of the block-diagonal part (exact, see block_diag_unit_lower_inverse);
+    N = Dinv Loff is strictly block-lower, so N^ns = 0 and
+    (I + L)^-1 = (I + N)^-1 Dinv = (I - N)(I + N^2)(I + N^4)... Dinv (log2(ns) squarings).
+    ns = 4: four [C, C] dots at `precision`.
     """
-    ns = max(r for r, _ in L) + 1
-    A = {}
-    for r in range(ns):
-        A[(r, r)] = unit_lower_inverse(L[(r, r)])
-        for s in range(r):
-            acc = None
-            for m in range(s, r):
-                t = dot(L[(r, m)], A[(m, s)], HIGHEST)
-                acc = t if acc is None else acc + t
-            A[(r, s)] = -dot(A[(r, r)], acc, HIGHEST)
-    return A
+    C = L.shape[0]
+    rows, cols = iotas(C, C)
+    rb, cb = lax.div(rows, jnp.int32(BT)), lax.div(cols, jnp.int32(BT))
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
+    Dinv = block_diag_unit_lower_inverse(L)
+    N = dot(Dinv, jnp.where(rb > cb, L, 0.0), precision)
+    P = Dinv - dot(N, Dinv, precision)                   # (I - N) Dinv
+    span = 2
+    while span < C // BT:
+        N = dot(N, N, precision)                          # N^span
+        P = P + dot(N, P, precision)                      # (I + N^span) P
+        span *= 2
+    return P
 
 
-def chunk_factors(q_tiles, k_tiles, v_tiles, b_tiles, G_tiles, anchors, *, scale: float, dtype):
-    """Recompute the chunk factors: L (as M and beta), A = (I + L)^-1, W, U and Aqk tiles.
+def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype):
+    """The chunk factors from whole-chunk values (fp32 q, k [C, K], v [C, V], beta [C, 1]).
 
-    Returns dict with M (unweighted k.k scores, strict), A, X (beta e^G k), Y (beta v), W, U, Aqk.
+    Returns dict: M [C, C] (k.k anchored scores, strictly lower, unweighted by beta), A = (I + L)^-1
+    with L = beta M, X = beta e^G k [C, K], Y = beta v [C, V], W = A X, U = A Y (fp32), and
+    Aqk [C, C] = scale q.k anchored scores, lower triangle including the diagonal.
     """
-    ns = len(k_tiles)
+    C = k.shape[0]
+    rows, cols = iotas(C, C)
+    exact = exact_precision(dtype)
     prec = mm_precision(dtype)
-    M = pair_tiles(k_tiles, k_tiles, G_tiles, anchors, strict=True, dtype=dtype)
-    L = {rs: b_tiles[rs[0]] * m for rs, m in M.items()}
-    A = block_unit_lower_inverse(L)
-    X = [b_tiles[s] * jnp.exp(G_tiles[s]) * k_tiles[s].astype(F32) for s in range(ns)]
-    Y = [b_tiles[s] * v_tiles[s].astype(F32) for s in range(ns)]
-    W, U = [], []
-    for r in range(ns):
-        w = u = None
-        for s in range(r + 1):
-            tw, tu = dot(A[(r, s)], X[s], prec), dot(A[(r, s)], Y[s], prec)
-            w = tw if w is None else w + tw
-            u = tu if u is None else u + tu
-        W.append(w)
-        U.append(u)
-    qs = [q.astype(F32) * scale for q in q_tiles]
-    Aqk = pair_tiles(qs, k_tiles, G_tiles, anchors, strict=False, dtype=dtype)
-    return dict(M=M, A=A, X=X, Y=Y, W=W, U=U, Aqk=Aqk)
+    M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
+    A = unit_lower_inverse(beta * M, exact)
+    X = beta * jnp.exp(gate.G) * k
+    Y = beta * v
+    Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
+    return dict(M=M, A=A, X=X, Y=Y, W=dot(A, X, prec), U=dot(A, Y, prec), Aqk=Aqk)

@@ -19,29 +19,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import common as cm
-from pallas_kernels.kda.common import BT, F32
+from pallas_kernels.kda.common import F32
 
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
                       qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *, scale, dtype):
-    C = q_ref.shape[0]
-    ns = C // BT
-    G, anc, G_last = cm.gate_cumsum(g_ref, ns)
-    q = cm.load_tiles(q_ref, ns)
-    k = cm.load_tiles(k_ref, ns)
-    v = cm.load_tiles(v_ref, ns)
-    b = [x.astype(F32)[:, None] for x in cm.load_tiles(beta_ref, ns)]
-    f = cm.chunk_factors(q, k, v, b, G, anc, scale=scale, dtype=dtype)
-    zero = jnp.zeros((BT, BT), F32)
-    for r in range(ns):
-        rows = pl.ds(r * BT, BT)
-        qg_ref[rows, :] = scale * q[r].astype(F32) * jnp.exp(G[r])
-        kd_ref[rows, :] = k[r].astype(F32) * jnp.exp(G_last - G[r])
-        w_ref[rows, :] = f["W"][r]
-        u_ref[rows, :] = f["U"][r]
-        for s in range(ns):
-            aqk_ref[rows, pl.ds(s * BT, BT)] = f["Aqk"][(r, s)] if s <= r else zero
-    gl_ref[...] = jnp.exp(G_last).reshape(gl_ref.shape)
+    gate = cm.Gate(g_ref[...].astype(F32))
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    qg_ref[...] = (scale * q * jnp.exp(gate.G)).astype(qg_ref.dtype)
+    kd_ref[...] = (k * jnp.exp(gate.G_last - gate.G)).astype(kd_ref.dtype)
+    gl_ref[...] = jnp.exp(gate.G_last).reshape(gl_ref.shape)
+    b = beta_ref[...].astype(F32)[:, None]
+    f = cm.chunk_factors(q, k, v_ref[...].astype(F32), b, gate, scale=scale, dtype=dtype)
+    aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
+    w_ref[...] = f["W"].astype(w_ref.dtype)
+    u_ref[...] = f["U"].astype(u_ref.dtype)
 
 
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool):
@@ -70,7 +63,7 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         kernel, grid=(B, H, NT),
         in_specs=[tk, tk, tv, tk, tb],
         out_specs=[tk, tk, tk, tv, ta, tg],
-        out_shape=out_shape, interpret=interpret, compiler_params=cm.COMPILER_PARAMS,
+        out_shape=out_shape, interpret=interpret, compiler_params=cm.INTRA_PARAMS,
         name="kda_intra_fwd",
     )(q, k, v, g, beta)
 
@@ -119,5 +112,5 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
         out_shape=[jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
                    jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
                    jax.ShapeDtypeStruct((B, H, V, K), F32)],
-        interpret=interpret, compiler_params=cm.COMPILER_PARAMS, name="kda_state_fwd",
+        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_fwd",
     )(qg, kd, w, u, aqk, gl, h0)

@@ -1,6 +1,6 @@
 """Pallas KDA (Kimi Delta Attention) chunk kernels behind a `jax.custom_vjp`.
 
-Forward: `fwd.intra_fwd` (gate cumsum, anchored 16x16 score tiles, (I+L)^-1, W, U, Aqk; parallel
+Forward: `fwd.intra_fwd` (gate cumsum, anchored row-block score GEMMs, (I+L)^-1, W, U, Aqk; parallel
 over (batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; parallel over (batch, head,
 V-block)). Backward: reuses the chunk factors and per-chunk states saved by the forward (intra_fwd
 is the expensive kernel, so it is not re-run); `bwd.state_bwd` (reverse serial pass) then

@@ -1,0 +1,161 @@
+"""Per-kernel GPU timing of the Pallas KDA kernels (pallas_kernels.kda), plus the whole op.
+
+For each shape B x T x H x K (V = K, bf16 q/k/v/beta, fp32 g; ANCHORS.md recipe: q ~ N(0,1),
+k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)), beta = sigmoid(N(0,1)), lower_bound = -5), it
+times, each jitted on its own on the outputs of the previous one (head-major layouts as in
+pallas_kernels/kda/ops.py):
+  intra_fwd  (chunk factors)          state_fwd (serial state pass, o and the saved states)
+  state_bwd  (reverse state pass)     intra_bwd (intra-chunk gradients)
+and the whole op (`ops.kda_pallas`) forward and forward+backward (value_and_grad of sum(o * do) w.r.t.
+q, k, v, g, beta), and, unless --nochunked, the XLA chunked op (k3jax.ops.kda_chunked) the same way
+(issue 4's target: pallas >= 5x faster than it). Timing: each callable is compiled, called --warmup
+times, then --iters calls are timed one by one with `block_until_ready`; the median (ms) is kept.
+The inputs of one kernel are fixed across its calls (they are hundreds of MB, far larger than L2).
+
+Rows are appended to --out (JSON) after every measurement, so a run cut by a time limit keeps what it
+measured. Compiler parameters of the intra / state kernels can be swept with --intra_warps /
+--state_warps (Triton num_warps; num_stages stays 1).
+
+Run (GPU): python -m experiments.bench_kda_kernels --shapes=8x4096x16x128,1x65536x16x128 \
+             --out=$OUT/kda_kernels.json
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import statistics
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import bwd, common, fwd, ops
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["8x4096x16x128", "1x65536x16x128"], "BxTxHxK shapes (V = K)")
+flags.DEFINE_string("out", "kda_kernels.json", "JSON file, rewritten after every measurement")
+flags.DEFINE_integer("iters", 20, "timed calls per measurement (median reported)")
+flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
+flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
+flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for state_fwd/state_bwd")
+flags.DEFINE_bool("chunked", True, "also time the XLA chunked op (k3jax.ops.kda_chunked)")
+flags.DEFINE_bool("interpret", False, "Pallas interpret mode (a CPU smoke run of this script only)")
+
+LOWER_BOUND = -5.0
+CHUNK = ops.CHUNK_SIZE
+
+
+def median_ms(f, *args, iters: int, warmup: int) -> float:
+    """Median wall time (ms) of `iters` synchronised calls of f(*args), after compile + warmup."""
+    jax.block_until_ready(f(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def make_inputs(B, T, H, K, *, head_major: bool):
+    """ANCHORS-recipe inputs: q, k, v, beta bf16; g fp32; do bf16. [B, T, H, .] or [B, H, T, .]."""
+    shp = (B, H, T, K) if head_major else (B, T, H, K)
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    q = jax.random.normal(ks[0], shp, jnp.bfloat16)
+    k = jax.random.normal(ks[1], shp, jnp.float32)
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], shp, jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], shp, jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], shp[:3], jnp.float32)).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[5], shp, jnp.bfloat16)
+    return q, k, v, g, beta, do
+
+
+def time_kernels(B, T, H, K, iters, warmup, interpret=False):
+    """Median ms of each pallas_call (forward and backward) at one shape; dict kernel -> ms."""
+    sc = K ** -0.5
+    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=True)
+    h0 = jnp.zeros((B, H, K, K), jnp.float32)
+    prec = common.mm_precision(q.dtype)
+    bv = min(K, 64)
+    f1 = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
+    f2 = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
+                                               out_dtype=jnp.bfloat16, interpret=interpret,
+                                               precision=prec))
+    f3 = jax.jit(lambda fac, h, do, dht: bwd.state_bwd(*fac, h, do, dht, chunk_size=CHUNK,
+                                                       block_v=bv, interpret=interpret, precision=prec))
+    f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
+    kw = dict(iters=iters, warmup=warmup)
+    out = {}
+    fac = f1(q, k, v, g, beta)
+    out["intra_fwd"] = median_ms(f1, q, k, v, g, beta, **kw)
+    o, h, ht = f2(fac, h0)
+    out["state_fwd"] = median_ms(f2, fac, h0, **kw)
+    dqg, dkd, dw, du, daqk, dgl, dh0 = f3(fac, h, do, ht)
+    out["state_bwd"] = median_ms(f3, fac, h, do, ht, **kw)
+    d = [x.sum(0) for x in (dqg, dkd, dw)] + [du] + [x.sum(0) for x in (daqk, dgl)]
+    out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, *d, **kw)
+    out["kernels_fwd_sum"] = out["intra_fwd"] + out["state_fwd"]
+    out["kernels_fwd_bwd_sum"] = sum(out[n] for n in ("intra_fwd", "state_fwd", "state_bwd",
+                                                      "intra_bwd"))
+    return out
+
+
+def time_op(name, fn, B, T, H, K, iters, warmup):
+    """Median ms of the whole op fn(q, k, v, g, beta) -> o, forward and forward+backward."""
+    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
+
+    def loss(*a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
+
+    kw = dict(iters=iters, warmup=warmup)
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return {f"{name}_fwd": median_ms(jax.jit(fn), q, k, v, g, beta, **kw),
+            f"{name}_fwd_bwd": median_ms(fb, q, k, v, g, beta, **kw)}
+
+
+def main(argv):
+    del argv
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+           "dtype": "bfloat16", "lower_bound": LOWER_BOUND, "chunk_size": CHUNK, "rows": []}
+
+    def save():
+        with open(FLAGS.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+    for s in FLAGS.shapes:
+        B, T, H, K = (int(x) for x in s.split("x"))
+        for iw in FLAGS.intra_warps:
+            for sw in FLAGS.state_warps:
+                common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=int(iw), num_stages=1)
+                common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=int(sw), num_stages=1)
+                row = {"shape": s, "intra_warps": int(iw), "state_warps": int(sw)}
+                res["rows"].append(row)
+                try:
+                    row.update(time_kernels(B, T, H, K, FLAGS.iters, FLAGS.warmup, FLAGS.interpret))
+                    save()
+                    print(json.dumps(row), flush=True)
+                    pallas = functools.partial(ops.kda_pallas, lower_bound=LOWER_BOUND,
+                                               interpret=FLAGS.interpret)
+                    row.update(time_op("pallas", lambda *a: pallas(*a)[0], B, T, H, K,
+                                       FLAGS.iters, FLAGS.warmup))
+                except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
+                    row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                save()
+                print(json.dumps(row), flush=True)
+        if FLAGS.chunked:
+            from k3jax.ops.kda_chunked import kda_chunked
+            row = {"shape": s, "implementation": "chunked_xla"}
+            res["rows"].append(row)
+            row.update(time_op("chunked", lambda *a: kda_chunked(*a, lower_bound=LOWER_BOUND)[0],
+                               B, T, H, K, FLAGS.iters, FLAGS.warmup))
+            save()
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
