@@ -2,6 +2,9 @@
 
   python -m experiments.moe_balance --steps=600 --seeds=0,1,2
   python -m experiments.moe_balance --methods=quantile_exact,aux_loss --steps=50 --seeds=0   # smoke
+  # one H200, the whole table in one call (attention-only MoE LM, see configs/moe_balance_gpu.py):
+  python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
+      --top_k=4 --steps=400 --time_budget_s=400 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
 loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
@@ -11,7 +14,15 @@ Per run it reads `<workdir>/metrics.jsonl` (written by `k3jax.train.trainer.trai
 final validation loss, MaxVio_batch (mean over MoE layers; its mean after warm-up and its curve),
 MaxVio_global on the validation slice, CV of the load, dropped %, dead experts, diverted % (seed
 method) and tokens/s. Writes `<out>/moe_balance_<date>.json`, `.md` (table: mean ± std over seeds) and
-`.png` (MaxVio_batch vs step per method) with the device and versions.
+`.png` (MaxVio_batch vs step per method) with the device and versions. The three files are rewritten
+after EVERY run, so a run cut short keeps the finished rows.
+
+Runs go seed-major (seed 0 of every method, then seed 1, ...), so a cut keeps every method. JAX's
+persistent compilation cache (`--compilation_cache_dir`) lets seeds 1, 2 of a method load seed 0's
+executables (a new model object is re-traced, but its HLO is identical: the cache key is the HLO hash);
+each row records the compile requests, persistent-cache hits and backend compile seconds of its run.
+`--time_budget_s` stops starting new runs once the elapsed time plus the expected length of the next
+run (the last run of that method, or the slowest first run so far) would pass the budget.
 """
 from __future__ import annotations
 
@@ -19,12 +30,14 @@ import datetime
 import json
 import os
 import platform
+import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments.runtime import CompileCounter, enable_compilation_cache
 from k3jax.train.config import run_config_from_dict
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import train
@@ -51,6 +64,27 @@ _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token k.")
 _WARMUP = flags.DEFINE_float("warmup_frac", 0.25, "MaxVio_batch is averaged over steps after this fraction.")
 _ROOT = flags.DEFINE_string("workdir_root", "runs/moe_balance", "Run directories: <root>/<method>/seed<s>.")
 _OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go.")
+_ORDER = flags.DEFINE_enum("order", "seed_major", ["seed_major", "method_major"],
+                           "seed_major: seed 0 of every method first (a cut keeps every method).")
+_BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting runs that would end past this many "
+                             "seconds of wall clock since start (0 = no budget).")
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "/tmp/k3jax_jax_cache",
+                                 "JAX persistent compilation cache ('' = off).")
+
+
+def run_order(methods: list[str], seeds: list[int], order: str) -> list[tuple[str, int]]:
+    """(method, seed) pairs in run order: "seed_major" = every method's seed 0 first, "method_major"."""
+    if order == "seed_major":
+        return [(m, s) for s in seeds for m in methods]
+    return [(m, s) for m in methods for s in seeds]
+
+
+def expected_run_seconds(method: str, walls: dict[str, list[float]]) -> float:
+    """Expected wall seconds of the next run of `method`: its last run if it has one (executables
+    cached), else the slowest run so far (a first run compiles), else 0."""
+    if walls.get(method):
+        return walls[method][-1]
+    return max((w for ws in walls.values() for w in ws), default=0.0)
 
 
 def _run_config(base: dict, method: str, seed: int) -> dict:
@@ -91,53 +125,33 @@ def _fmt(values, scale=1.0, digits=3):
     return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}" if v.size > 1 else f"{v.mean():.{digits}f}"
 
 
-def main(argv):
-    del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    unknown = sorted(set(_METHODS.value) - set(METHODS))
-    if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
-    base = _CONFIG.value.to_dict()
-    results: dict[str, list[dict]] = {}
-    for method in _METHODS.value:
-        for seed in (int(s) for s in _SEEDS.value):
-            cfg = run_config_from_dict(_run_config(base, method, seed))
-            summary = train(cfg, show_progress=False)
-            res = _summarise(cfg.workdir, summary)
-            res["seed"] = seed
-            results.setdefault(method, []).append(res)
-            print(f"{method} seed {seed}: val loss {res['val_loss']:.4f}, MaxVio_batch "
-                  f"{res['max_vio_after_warmup']:.3f}, MaxVio_global {res['max_vio_global']}", flush=True)
-
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    device = f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.node()})"
-    meta = {"date": stamp, "device": device, "jax": jax.__version__, "steps": _STEPS.value,
-            "num_experts": _EXPERTS.value, "top_k": _TOP_K.value, "seeds": _SEEDS.value,
-            "warmup_frac": _WARMUP.value, "base_config": base}
-    os.makedirs(_OUT.value, exist_ok=True)
-    stem = os.path.join(_OUT.value, f"moe_balance_{stamp}")
+def _write(results: dict, meta: dict, stem: str) -> None:
+    """Write `<stem>.json`, `.md` (mean ± std over seeds) and `.png` (MaxVio_batch vs step)."""
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
-
-    lines = [f"# MoE balancing comparison ({stamp}, {device}, jax {jax.__version__})", "",
-             f"E = {_EXPERTS.value}, top-{_TOP_K.value}, {_STEPS.value} steps, seeds {','.join(_SEEDS.value)}; "
-             f"MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers and over logged steps after "
-             f"{_WARMUP.value:.0%} of training; MaxVio_global on the validation slice at the end.", "",
-             "| method | val loss (nats) | MaxVio_batch | MaxVio_global | CV | drop % | dead experts | diverted % "
-             "| tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# MoE balancing comparison ({meta['date']}, {meta['device']}, jax {jax.__version__})", "",
+             f"E = {meta['num_experts']}, top-{meta['top_k']}, {meta['steps']} steps, seeds "
+             f"{','.join(meta['seeds'])}; MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
+             f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
+             "validation slice at the end. Compile s = backend compile seconds of the method's runs (seeds "
+             "after the first load the persistent cache).", "",
+             "| method | seeds | val loss (nats) | MaxVio_batch | MaxVio_global | CV | drop % | dead experts "
+             "| diverted % | tokens/s | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, runs in results.items():
         col = lambda k: [r[k] for r in runs]  # noqa: E731
         lines.append(
-            f"| {method} | {_fmt(col('val_loss'), digits=4)} | {_fmt(col('max_vio_after_warmup'))} | "
+            f"| {method} | {len(runs)} | {_fmt(col('val_loss'), digits=4)} | {_fmt(col('max_vio_after_warmup'))} | "
             f"{_fmt(col('max_vio_global'))} | {_fmt(col('cv_after_warmup'))} | "
             f"{_fmt(col('dropped_fraction_after_warmup'), 100, 2)} | "
             f"{_fmt(col('dead_experts_after_warmup'), digits=2)} | "
-            f"{_fmt(col('diverted_fraction_after_warmup'), 100, 2)} | {_fmt(col('tokens_per_s'), digits=0)} |")
+            f"{_fmt(col('diverted_fraction_after_warmup'), 100, 2)} | {_fmt(col('tokens_per_s'), digits=0)} | "
+            f"{' / '.join(f'{r["compile"]["backend_compile_s"]:.1f}' for r in runs)} |")
+    if meta.get("skipped"):
+        lines += ["", f"Not run (time budget {meta['time_budget_s']:.0f} s): "
+                  + ", ".join(f"{m} seed {s}" for m, s in meta["skipped"])]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
@@ -145,14 +159,65 @@ def main(argv):
     fig, ax = plt.subplots(figsize=(8, 5))
     for method, runs in results.items():
         curves = np.array([r["max_vio_curve"] for r in runs], np.float64)
-        ax.plot(runs[0]["curve_steps"], curves.mean(0), label=method)
+        ax.plot(runs[0]["curve_steps"], curves.mean(0), label=f"{method} ({len(runs)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    ax.set_title(f"MoE balancing, E={_EXPERTS.value} top-{_TOP_K.value} ({device})")
+    ax.set_title(f"MoE balancing, E={meta['num_experts']} top-{meta['top_k']} ({meta['device']})")
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    t_start = time.time()
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    unknown = sorted(set(_METHODS.value) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
+    if _CACHE_DIR.value:
+        enable_compilation_cache(_CACHE_DIR.value)
+    counter = CompileCounter()
+    base = _CONFIG.value.to_dict()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    device = f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.node()})"
+    meta = {"date": stamp, "device": device, "jax": jax.__version__, "steps": _STEPS.value,
+            "num_experts": _EXPERTS.value, "top_k": _TOP_K.value, "seeds": _SEEDS.value,
+            "warmup_frac": _WARMUP.value, "order": _ORDER.value, "time_budget_s": _BUDGET.value,
+            "compilation_cache_dir": _CACHE_DIR.value, "skipped": [], "base_config": base}
+    os.makedirs(_OUT.value, exist_ok=True)
+    stem = os.path.join(_OUT.value, f"moe_balance_{stamp}")
+    results: dict[str, list[dict]] = {}
+    walls: dict[str, list[float]] = {}
+    for method, seed in run_order(list(_METHODS.value), [int(s) for s in _SEEDS.value], _ORDER.value):
+        elapsed = time.time() - t_start
+        if _BUDGET.value and elapsed + expected_run_seconds(method, walls) > _BUDGET.value:
+            meta["skipped"].append((method, seed))
+            print(f"skip {method} seed {seed}: {elapsed:.0f} s elapsed + "
+                  f"{expected_run_seconds(method, walls):.0f} s expected > budget {_BUDGET.value:.0f} s", flush=True)
+            continue
+        cfg = run_config_from_dict(_run_config(base, method, seed))
+        counter.reset()
+        t_run = time.time()
+        summary = train(cfg, show_progress=False)
+        wall = time.time() - t_run
+        walls.setdefault(method, []).append(wall)
+        res = _summarise(cfg.workdir, summary)
+        res.update(seed=seed, wall_s=wall, compile=counter.reset())
+        results.setdefault(method, []).append(res)
+        meta["elapsed_s"] = time.time() - t_start
+        _write(results, meta, stem)
+        print(f"{method} seed {seed}: val loss {res['val_loss']:.4f}, MaxVio_batch "
+              f"{res['max_vio_after_warmup']:.3f}, MaxVio_global {res['max_vio_global']}, {wall:.1f} s "
+              f"(compile {res['compile']['backend_compile_s']:.1f} s, cache hits {res['compile']['cache_hits']}"
+              f"/{res['compile']['compile_requests']}); {meta['elapsed_s']:.0f} s elapsed", flush=True)
+    meta["elapsed_s"] = time.time() - t_start
+    _write(results, meta, stem)
+    with open(stem + ".md") as f:
+        print(f.read())
     print(f"wrote {stem}.json/.md/.png")
 
 

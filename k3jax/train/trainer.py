@@ -111,11 +111,14 @@ def load_trained_model(cfg: RunConfig, *, step: int | None = None) -> tuple[Lang
     return model, step
 
 
-def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | None = None) -> dict:
+def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | None = None,
+          time_budget_s: float | None = None) -> dict:
     """Train (or resume) the run described by `cfg`; return a summary (final eval, tokens/s, sample...).
 
     `stop_at_step` ends this process's part of the run early (checkpoint saved, as on SIGTERM) without
     changing the run itself (the schedule still spans `cfg.train.steps`); a later call resumes.
+    `time_budget_s` does the same once this call has run that many wall-clock seconds (checked after
+    each step; the summary's "step" says where it stopped).
 
     Raises:
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
@@ -190,6 +193,8 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
                           f" | val {ev['val_bpb']:.4f} bits/byte | {tok_s:,.0f} tok/s")
                 summary.update(ev)
             if stop_at_step is not None and step >= stop_at_step:
+                sigterm.received = True
+            if time_budget_s is not None and time.time() - t_start >= time_budget_s:
                 sigterm.received = True
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps or sigterm.received:
                 ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
