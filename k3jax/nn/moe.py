@@ -200,6 +200,11 @@ class MoEFeedForward(nnx.Module):
         else:
             tok = P(sharding_lib.TOKEN_AXES)
             exp = P(sharding_lib.EXPERT)
+            if all(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
+                # explicit axes: shard_map needs its inputs in the token sharding already; the mask is
+                # built here (unsharded when segment_ids is None). Auto axes reshard by themselves.
+                x = jax.reshard(x, jax.sharding.NamedSharding(self.mesh, tok))
+                mask = jax.reshard(mask, jax.sharding.NamedSharding(self.mesh, tok))
             fn = functools.partial(self._apply, axis_names=sharding_lib.TOKEN_AXES, expert_axis=sharding_lib.EXPERT)
             y, out, dropped = jax.shard_map(
                 fn,
