@@ -4,7 +4,8 @@ For each shape B x T x H x K (V = K, bf16 q/k/v/beta, fp32 g; ANCHORS.md recipe:
 k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)), beta = sigmoid(N(0,1)), lower_bound = -5), it
 times, each jitted on its own on the outputs of the previous one (head-major layouts as in
 pallas_kernels/kda/ops.py):
-  intra_fwd  (chunk factors)          state_fwd (serial state pass, o and the saved states)
+  intra_fwd  (chunk factors)          state_fwd (serial state pass, o and the saved states;
+                                      state_fwd_nosave: the forward-only variant, no states)
   state_bwd  (reverse state pass)     intra_bwd (intra-chunk gradients)
 and the whole op (`ops.kda_pallas`) forward and forward+backward (value_and_grad of sum(o * do) w.r.t.
 q, k, v, g, beta), and, unless --nochunked, the XLA chunked op (k3jax.ops.kda_chunked) the same way
@@ -81,10 +82,14 @@ def time_kernels(B, T, H, K, iters, warmup, interpret=False):
     h0 = jnp.zeros((B, H, K, K), jnp.float32)
     prec = common.mm_precision(q.dtype)
     bv = min(K, 64)
-    f1 = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
+    f1 = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                          factor_dtype=ops.factor_dtypes(q.dtype)))
     f2 = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
                                                out_dtype=jnp.bfloat16, interpret=interpret,
                                                precision=prec))
+    f2n = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
+                                                out_dtype=jnp.bfloat16, interpret=interpret,
+                                                precision=prec, save_states=False))
     f3 = jax.jit(lambda fac, h, do, dht: bwd.state_bwd(*fac, h, do, dht, chunk_size=CHUNK,
                                                        block_v=bv, interpret=interpret, precision=prec))
     f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
@@ -94,11 +99,12 @@ def time_kernels(B, T, H, K, iters, warmup, interpret=False):
     out["intra_fwd"] = median_ms(f1, q, k, v, g, beta, **kw)
     o, h, ht = f2(fac, h0)
     out["state_fwd"] = median_ms(f2, fac, h0, **kw)
+    out["state_fwd_nosave"] = median_ms(f2n, fac, h0, **kw)
     dqg, dkd, dw, du, daqk, dgl, dh0 = f3(fac, h, do, ht)
     out["state_bwd"] = median_ms(f3, fac, h, do, ht, **kw)
     d = [x.sum(0) for x in (dqg, dkd, dw)] + [du] + [x.sum(0) for x in (daqk, dgl)]
     out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, *d, **kw)
-    out["kernels_fwd_sum"] = out["intra_fwd"] + out["state_fwd"]
+    out["kernels_fwd_sum"] = out["intra_fwd"] + out["state_fwd_nosave"]
     out["kernels_fwd_bwd_sum"] = sum(out[n] for n in ("intra_fwd", "state_fwd", "state_bwd",
                                                       "intra_bwd"))
     return out

@@ -45,12 +45,12 @@ def _state_bwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h_ref, do_r
         c = NT - 1 - i
         rows = pl.ds(c * C, C)
         St = h_ref[c]
-        w = w_ref[rows, :]
-        qg = qg_ref[rows, :]
-        kd = kd_ref[rows, :]
-        vp = u_ref[rows, :] - cm.dot_nt(w, St, p)
+        w = w_ref[rows, :].astype(F32)
+        qg = qg_ref[rows, :].astype(F32)
+        kd = kd_ref[rows, :].astype(F32)
+        vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w, St, p)
         do = do_ref[rows, :].astype(F32)
-        dvp = cm.dot_tn(aqk_ref[rows, :], do, p) + cm.dot_nt(kd, dSt, p)
+        dvp = cm.dot_tn(aqk_ref[rows, :].astype(F32), do, p) + cm.dot_nt(kd, dSt, p)
         du_ref[rows, :] = dvp
         dw_ref[rows, :] = -cm.dot(dvp, St, p)
         dqg_ref[rows, :] = cm.dot(do, St, p)

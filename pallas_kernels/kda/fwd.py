@@ -37,14 +37,17 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     u_ref[...] = f["U"].astype(u_ref.dtype)
 
 
-def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool):
+def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
+              factor_dtype=F32):
     """Per-chunk factors, one program per (batch, head, chunk).
 
     Args: q, k [B, H, T, K] (bf16 or fp32); v [B, H, T, V]; g [B, H, T, K] fp32 log-decay (nats);
       beta [B, H, T]. T % chunk_size == 0.
-    Returns (fp32): qg = scale q e^G [B,H,T,K]; kd = k e^{G_last-G} [B,H,T,K]; w [B,H,T,K];
-      u [B,H,T,V]; aqk [B,H,T,C] (row-block c holds the chunk's lower-triangular scaled q.k scores);
-      gl = e^{G_last} [B,H,NT,K].
+      factor_dtype: storage dtype of qg, kd, w, u, aqk (one dtype, or a tuple of 5 in that order;
+        computed in fp32, rounded once on store; the state kernels upcast on load).
+    Returns: qg = scale q e^G [B,H,T,K]; kd = k e^{G_last-G} [B,H,T,K]; w [B,H,T,K]; u [B,H,T,V];
+      aqk [B,H,T,C] (row-block c holds the chunk's lower-triangular scaled q.k scores), in
+      factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32.
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -55,9 +58,10 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     tb = pl.BlockSpec((None, None, C), lambda b, h, c: (b, h, c))
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
     tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
-    out_shape = [jax.ShapeDtypeStruct((B, H, T, K), F32), jax.ShapeDtypeStruct((B, H, T, K), F32),
-                 jax.ShapeDtypeStruct((B, H, T, K), F32), jax.ShapeDtypeStruct((B, H, T, V), F32),
-                 jax.ShapeDtypeStruct((B, H, T, C), F32), jax.ShapeDtypeStruct((B, H, NT, K), F32)]
+    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
+    out_shape = [jax.ShapeDtypeStruct((B, H, T, K), fd[0]), jax.ShapeDtypeStruct((B, H, T, K), fd[1]),
+                 jax.ShapeDtypeStruct((B, H, T, K), fd[2]), jax.ShapeDtypeStruct((B, H, T, V), fd[3]),
+                 jax.ShapeDtypeStruct((B, H, T, C), fd[4]), jax.ShapeDtypeStruct((B, H, NT, K), F32)]
     kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
@@ -68,31 +72,36 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     )(q, k, v, g, beta)
 
 
-def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref,
-                      o_ref, h_ref, ht_ref, *, chunk_size, precision):
+def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_ref, *refs,
+                      chunk_size, precision):
+    h_ref, ht_ref = refs if len(refs) == 2 else (None, refs[0])
     C = chunk_size
     NT = qg_ref.shape[0] // C
 
     def body(c, St):                                    # St: [BV, K] fp32 state entering chunk c
         rows = pl.ds(c * C, C)
-        h_ref[c] = St
-        vp = u_ref[rows, :] - cm.dot_nt(w_ref[rows, :], St, precision)    # V' [C, BV]
-        o = cm.dot_nt(qg_ref[rows, :], St, precision) + cm.dot(aqk_ref[rows, :], vp, precision)
+        if h_ref is not None:
+            h_ref[c] = St
+        vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w_ref[rows, :].astype(F32), St, precision)
+        o = (cm.dot_nt(qg_ref[rows, :].astype(F32), St, precision)
+             + cm.dot(aqk_ref[rows, :].astype(F32), vp, precision))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         gl = gl_ref[pl.ds(c, 1), :]                                       # [1, K]
-        return St * gl + cm.dot_tn(vp, kd_ref[rows, :], precision)
+        return St * gl + cm.dot_tn(vp, kd_ref[rows, :].astype(F32), precision)
 
     ht_ref[...] = jax.lax.fori_loop(0, NT, body, h0_ref[...].astype(F32))
 
 
 def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
-              interpret: bool, precision=None):
+              interpret: bool, precision=None, save_states: bool = True):
     """Serial pass over chunks, one program per (batch, head, V-block); fp32 state in registers.
 
     Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state); precision of the
-      fp32 dots (common.mm_precision of the input dtype).
-    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] fp32 (state entering each chunk, saved
-      for the backward); ht [B, H, V, K] fp32 (final state, transposed).
+      fp32 dots (common.mm_precision of the input dtype); save_states: also write the per-chunk
+      states for the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per
+      (batch, head), 2.1 GB at 8x4096x16, K = V = 128).
+    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] fp32 (state entering each chunk) or
+      None when save_states is False; ht [B, H, V, K] fp32 (final state, transposed).
     """
     B, H, T, K = qg.shape
     V = u.shape[-1]
@@ -105,12 +114,16 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     fg = pl.BlockSpec((None, None, NT, K), lambda b, h, iv: (b, h, 0, 0))
     fs = pl.BlockSpec((None, None, BV, K), lambda b, h, iv: (b, h, iv, 0))
     fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
-    return pl.pallas_call(
+    out_specs = [fv, fh, fs] if save_states else [fv, fs]
+    out_shape = [jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
+                 jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
+                 jax.ShapeDtypeStruct((B, H, V, K), F32)]
+    if not save_states:
+        out_shape = [out_shape[0], out_shape[2]]
+    outs = pl.pallas_call(
         functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision), grid=(B, H, V // BV),
         in_specs=[fk, fk, fk, fv, fa, fg, fs],
-        out_specs=[fv, fh, fs],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
-                   jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
-                   jax.ShapeDtypeStruct((B, H, V, K), F32)],
+        out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_fwd",
     )(qg, kd, w, u, aqk, gl, h0)
+    return tuple(outs) if save_states else (outs[0], None, outs[1])
