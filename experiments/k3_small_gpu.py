@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.runtime import CompileCounter, enable_compilation_cache, measure_matmul_rate
+from experiments.runtime import CompileCounter, enable_compilation_cache, grouped_matmul_in_use, measure_matmul_rate
 from k3jax.data.corpus import load_corpus
 from k3jax.data.pipeline import eval_batches
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
@@ -104,7 +104,8 @@ def _train_model(name: str, cfg: RunConfig, budget: float, counter: CompileCount
     flops = model_flops_per_token(cfg.model, cfg.data.seq_len)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     return {
-        "name": name, "config": dataclasses.asdict(cfg.model) | {"seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size},
+        "name": name,
+        "config": dataclasses.asdict(cfg.model) | {"seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size},
         "num_params": summary["num_params"], "matmul_params_per_token": matmul_params_per_token(cfg.model),
         "flops_per_token": flops, "steps": step, "tokens": step * tokens_per_step, "tokens_per_step": tokens_per_step,
         "tokens_per_s": summary["tokens_per_s"], "wall_s": wall, "compile": compile_stats,
@@ -124,21 +125,23 @@ def _summary_table(result: dict) -> list[str]:
     lines = [f"# K3-small vs transformer ({result['date']}, {result['device']})", "",
              f"jax {result['versions']['jax']}, flax {result['versions']['flax']}. Dense bf16 GEMM "
              f"{result['matmul']['n']}³: {rate / 1e12:.1f} TFLOP/s (median of {result['matmul']['reps']}); MFU is "
-             "against that rate. FLOPs/token = 6·N_active + sequence terms (k3jax/models/flops.py, PaLM App. B).",
+             "against that rate. FLOPs/token = 6·N_active + sequence terms (k3jax/models/flops.py, PaLM App. B). "
+             f"MoE grouped matmul: {result['grouped_matmul']}.",
              "", "| model | params total | matmul params active/token | GFLOPs/token | steps | tokens | tokens/s "
              "| MFU | val bits/byte (final) | val loss nats (final) | compile s | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in models.values():
         last = m["val"][str(m["steps"])]
         mfu = m["flops_per_token"]["total"] * m["tokens_per_s"] / rate
-        lines.append(f"| {m['name']} | {m['num_params'] / 1e6:.1f} M | {m['matmul_params_per_token']['total'] / 1e6:.1f} M "
+        active = m["matmul_params_per_token"]["total"]
+        lines.append(f"| {m['name']} | {m['num_params'] / 1e6:.1f} M | {active / 1e6:.1f} M "
                      f"| {m['flops_per_token']['total'] / 1e9:.3f} | {m['steps']} | {m['tokens'] / 1e6:.2f} M "
                      f"| {m['tokens_per_s']:,.0f} | {mfu:.1%} | {last['val_bpb']:.4f} | {last['val_loss']:.4f} "
                      f"| {m['compile']['backend_compile_s']:.1f} | {m['wall_s']:.0f} |")
     if common is not None:
-        lines += ["", f"At equal tokens (step {common}, {int(common) * next(iter(models.values()))['tokens_per_step'] / 1e6:.2f} M "
-                  "tokens): " + "; ".join(f"{m['name']} {m['val'][common]['val_bpb']:.4f} bits/byte"
-                                          for m in models.values())]
+        tokens = int(common) * next(iter(models.values()))["tokens_per_step"]
+        values = "; ".join(f"{m['name']} {m['val'][common]['val_bpb']:.4f} bits/byte" for m in models.values())
+        lines += ["", f"At equal tokens (step {common}, {tokens / 1e6:.2f} M tokens): {values}"]
     return lines
 
 
@@ -183,7 +186,7 @@ def main(argv):
               "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.node()})",
               "versions": _versions(), "flags": {"steps": _STEPS.value, "k3_time_budget_s": _K3_BUDGET.value,
                                                  "baseline_time_budget_s": _BASE_BUDGET.value, "tiny": _TINY.value},
-              "models": {}}
+              "grouped_matmul": grouped_matmul_in_use(), "models": {}}
     result["matmul"] = measure_matmul_rate(_MATMUL_SIZE.value, _MATMUL_REPS.value)
     print(f"bf16 GEMM {_MATMUL_SIZE.value}^3: {result['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
     _write(result, stem)

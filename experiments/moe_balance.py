@@ -4,7 +4,7 @@
   python -m experiments.moe_balance --methods=quantile_exact,aux_loss --steps=50 --seeds=0   # smoke
   # one H200, the whole table in one call (attention-only MoE LM, see configs/moe_balance_gpu.py):
   python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
-      --top_k=4 --steps=400 --time_budget_s=400 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
+      --top_k=4 --steps=300 --time_budget_s=380 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
 loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
@@ -37,7 +37,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.runtime import CompileCounter, enable_compilation_cache
+from experiments.runtime import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
 from k3jax.train.config import run_config_from_dict
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import train
@@ -134,7 +134,7 @@ def _write(results: dict, meta: dict, stem: str) -> None:
              f"{','.join(meta['seeds'])}; MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
              f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
              "validation slice at the end. Compile s = backend compile seconds of the method's runs (seeds "
-             "after the first load the persistent cache).", "",
+             f"after the first load the persistent cache). MoE grouped matmul: {meta.get('grouped_matmul', '?')}.", "",
              "| method | seeds | val loss (nats) | MaxVio_batch | MaxVio_global | CV | drop % | dead experts "
              "| diverted % | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -187,7 +187,8 @@ def main(argv):
     meta = {"date": stamp, "device": device, "jax": jax.__version__, "steps": _STEPS.value,
             "num_experts": _EXPERTS.value, "top_k": _TOP_K.value, "seeds": _SEEDS.value,
             "warmup_frac": _WARMUP.value, "order": _ORDER.value, "time_budget_s": _BUDGET.value,
-            "compilation_cache_dir": _CACHE_DIR.value, "skipped": [], "base_config": base}
+            "compilation_cache_dir": _CACHE_DIR.value, "grouped_matmul": grouped_matmul_in_use(),
+            "skipped": [], "base_config": base}
     os.makedirs(_OUT.value, exist_ok=True)
     stem = os.path.join(_OUT.value, f"moe_balance_{stamp}")
     results: dict[str, list[dict]] = {}

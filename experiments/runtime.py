@@ -81,3 +81,17 @@ def measure_matmul_rate(n: int, reps: int, *, seed: int = 0) -> dict:
         times.append(time.perf_counter() - t0)
     median = float(np.median(times))
     return {"n": n, "reps": reps, "median_s": median, "flops_per_s": 2.0 * n ** 3 / median, "all_s": times}
+
+
+def grouped_matmul_in_use() -> str:
+    """The MoE grouped-matmul implementation `k3jax.ops.dispatch` picks on this device for
+    `implementation=None` ("blocked" on CPU; on GPU "tokamax"/"jla" when installed and supported, else
+    "xla", which is ~60x slower than a library kernel on the H200 — worth knowing before reading a
+    tokens/s number)."""
+    from k3jax.ops.dispatch import default_grouped_matmul  # noqa: PLC0415
+    name = default_grouped_matmul()
+    if name == "xla" and jax.default_backend() == "gpu":
+        print("WARNING: MoE grouped matmul falls back to XLA ragged_dot on this GPU (install tokamax or "
+              "jax-linear-attention for the library kernel); MoE tokens/s will be far below the kernel's",
+              flush=True)
+    return name
