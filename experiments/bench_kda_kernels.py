@@ -86,12 +86,15 @@ def time_kernels(B, T, H, K, iters, warmup, interpret=False):
                                           factor_dtype=ops.factor_dtypes(q.dtype)))
     f2 = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
                                                out_dtype=jnp.bfloat16, interpret=interpret,
-                                               precision=prec))
+                                               precision=prec,
+                                               state_dtype=ops.saved_state_dtype(q.dtype)))
     f2n = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
                                                 out_dtype=jnp.bfloat16, interpret=interpret,
                                                 precision=prec, save_states=False))
-    f3 = jax.jit(lambda fac, h, do, dht: bwd.state_bwd(*fac, h, do, dht, chunk_size=CHUNK,
-                                                       block_v=bv, interpret=interpret, precision=prec))
+    f3 = jax.jit(lambda fac, do, dht: bwd.state_bwd(fac[0], fac[1], fac[2], fac[4], fac[5], do, dht,
+                                                     chunk_size=CHUNK, block_v=bv,
+                                                     interpret=interpret, precision=prec,
+                                                     state_dtype=ops.saved_state_dtype(q.dtype)))
     f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
     kw = dict(iters=iters, warmup=warmup)
     out = {}
@@ -100,10 +103,9 @@ def time_kernels(B, T, H, K, iters, warmup, interpret=False):
     o, h, ht = f2(fac, h0)
     out["state_fwd"] = median_ms(f2, fac, h0, **kw)
     out["state_fwd_nosave"] = median_ms(f2n, fac, h0, **kw)
-    dqg, dkd, dw, du, daqk, dgl, dh0 = f3(fac, h, do, ht)
-    out["state_bwd"] = median_ms(f3, fac, h, do, ht, **kw)
-    d = [x.sum(0) for x in (dqg, dkd, dw)] + [du] + [x.sum(0) for x in (daqk, dgl)]
-    out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, *d, **kw)
+    du, dh, dh0 = f3(fac, do, ht)
+    out["state_bwd"] = median_ms(f3, fac, do, ht, **kw)
+    out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, do, du, h, dh, **kw)
     out["kernels_fwd_sum"] = out["intra_fwd"] + out["state_fwd_nosave"]
     out["kernels_fwd_bwd_sum"] = sum(out[n] for n in ("intra_fwd", "state_fwd", "state_bwd",
                                                       "intra_bwd"))

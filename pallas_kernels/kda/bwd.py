@@ -8,8 +8,10 @@ Per chunk with incoming state S, the forward is
   dV' = Aqk^T dO + Kd dS_next;  dS = Qg^T dO + D dS_next - W^T dV'
   dQg = dO S^T;  dAqk = dO V'^T;  dKd = V' dS_next^T;  dU = dV';  dW = -dV' S^T;
   d e^{G_last} = rowsum(S * dS_next).
-The reverse pass (serial over chunks) produces these; the intra kernel (parallel over chunks)
-recomputes the chunk factors and pushes them to dq, dk, dv, dbeta, dg:
+The reverse pass (serial over chunks) runs only the dV' / dS recurrence and saves dS_next per chunk
+(as fla's `chunk_bwd_dhu`); the intra kernel (parallel over chunks) reads the saved S and dS_next,
+forms dQg, dW, dKd, dAqk, d e^{G_last}, recomputes the chunk factors and pushes all of it to
+dq, dk, dv, dbeta, dg:
   dA = dW X^T + dU Y^T,  dX = A^T dW,  dY = A^T dU,  dL = -A^T dA A^T (strictly lower),
   pair scores M_ij = sum_c a_ic b_jc e^{G_ic - G_jc}: with a~ = a e^{G - anc}, b~ = b e^{anc - G},
   da = e^{G-anc} (dM b~), db = e^{anc-G} (dM^T a~), dG_i += a~ (dM b~), dG_j -= b~ (dM^T a~),
@@ -33,74 +35,66 @@ from pallas_kernels.kda import common as cm
 from pallas_kernels.kda.common import F32
 
 
-def _state_bwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h_ref, do_ref, dht_ref,
-                      dqg_ref, dkd_ref, dw_ref, du_ref, daqk_ref, dgl_ref, dh0_ref, *, chunk_size,
-                      precision):
+def _state_bwd_kernel(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref,
+                      du_ref, dh_ref, dh0_ref, *, chunk_size, precision):
     C = chunk_size
     NT = qg_ref.shape[0] // C
-
     p = precision
 
     def body(i, dSt):                                   # dSt: [BV, K] grad of the state after chunk c
         c = NT - 1 - i
         rows = pl.ds(c * C, C)
-        St = h_ref[c]
-        w = w_ref[rows, :].astype(F32)
-        qg = qg_ref[rows, :].astype(F32)
-        kd = kd_ref[rows, :].astype(F32)
-        vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w, St, p)
+        dh_ref[c] = dSt.astype(dh_ref.dtype)
         do = do_ref[rows, :].astype(F32)
-        dvp = cm.dot_tn(aqk_ref[rows, :].astype(F32), do, p) + cm.dot_nt(kd, dSt, p)
+        dvp = (cm.dot_tn(aqk_ref[rows, :].astype(F32), do, p)
+               + cm.dot_nt(kd_ref[rows, :].astype(F32), dSt, p))
         du_ref[rows, :] = dvp
-        dw_ref[rows, :] = -cm.dot(dvp, St, p)
-        dqg_ref[rows, :] = cm.dot(do, St, p)
-        daqk_ref[rows, :] = cm.dot_nt(do, vp, p)
-        dkd_ref[rows, :] = cm.dot(vp, dSt, p)
         gl = gl_ref[pl.ds(c, 1), :]
-        dgl_ref[pl.ds(c, 1), :] = jnp.sum(St * dSt, axis=0, keepdims=True)
-        return cm.dot_tn(do, qg, p) + dSt * gl - cm.dot_tn(dvp, w, p)
+        return (cm.dot_tn(do, qg_ref[rows, :].astype(F32), p) + dSt * gl
+                - cm.dot_tn(dvp, w_ref[rows, :].astype(F32), p))
 
     dh0_ref[...] = lax.fori_loop(0, NT, body, dht_ref[...].astype(F32))
 
 
-def state_bwd(qg, kd, w, u, aqk, gl, h, do, dht, *, chunk_size: int, block_v: int,
-              interpret: bool, precision=None):
-    """Reverse serial pass, one program per (batch, head, V-block).
+def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, interpret: bool,
+              precision=None, state_dtype=F32):
+    """Reverse serial pass over chunks, one program per (batch, head, V-block); fp32 dS in registers.
 
-    Args: intra_fwd outputs; h [B, H, NT, V, K] saved states; do [B, H, T, V]; dht [B, H, V, K].
-    Returns (fp32): dqg, dkd, dw [NV, B, H, T, K] and daqk [NV, B, H, T, C], dgl [NV, B, H, NT, K]
-      (partial sums over V-blocks, summed by the caller); du [B, H, T, V]; dh0 [B, H, V, K].
+    Only what the recurrence needs runs here: dV' = Aqk^T dO + Kd dS_next and
+    dS = Qg^T dO + D dS_next - W^T dV' (none of it needs the forward states). The products with
+    the states (dQg, dW, dKd, dAqk, d e^{G_last}) are parallel over chunks and left to intra_bwd.
+
+    Args: the intra_fwd outputs qg, kd, w [B, H, T, K], aqk [B, H, T, C], gl [B, H, NT, K];
+      do [B, H, T, V]; dht [B, H, V, K] (transposed); precision of the fp32 dots; state_dtype:
+      storage dtype of dh.
+    Returns: du = dV' [B, H, T, V] fp32; dh [B, H, NT, V, K] (state_dtype; grad of the state after
+      each chunk, transposed); dh0 [B, H, V, K] fp32.
     """
     B, H, T, K = qg.shape
-    V = u.shape[-1]
+    V = do.shape[-1]
     C = chunk_size
     NT = T // C
     BV = block_v
-    NV = V // BV
     fk = pl.BlockSpec((None, None, T, K), lambda b, hh, iv: (b, hh, 0, 0))
     fv = pl.BlockSpec((None, None, T, BV), lambda b, hh, iv: (b, hh, 0, iv))
     fa = pl.BlockSpec((None, None, T, C), lambda b, hh, iv: (b, hh, 0, 0))
     fg = pl.BlockSpec((None, None, NT, K), lambda b, hh, iv: (b, hh, 0, 0))
     fs = pl.BlockSpec((None, None, BV, K), lambda b, hh, iv: (b, hh, iv, 0))
     fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, hh, iv: (b, hh, 0, iv, 0))
-    pk = pl.BlockSpec((None, None, None, T, K), lambda b, hh, iv: (iv, b, hh, 0, 0))
-    pa = pl.BlockSpec((None, None, None, T, C), lambda b, hh, iv: (iv, b, hh, 0, 0))
-    pg = pl.BlockSpec((None, None, None, NT, K), lambda b, hh, iv: (iv, b, hh, 0, 0))
     return pl.pallas_call(
-        functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision), grid=(B, H, NV),
-        in_specs=[fk, fk, fk, fv, fa, fg, fh, fv, fs],
-        out_specs=[pk, pk, pk, fv, pa, pg, fs],
-        out_shape=[jax.ShapeDtypeStruct((NV, B, H, T, K), F32)] * 3
-        + [jax.ShapeDtypeStruct((B, H, T, V), F32),
-           jax.ShapeDtypeStruct((NV, B, H, T, C), F32),
-           jax.ShapeDtypeStruct((NV, B, H, NT, K), F32),
-           jax.ShapeDtypeStruct((B, H, V, K), F32)],
+        functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision),
+        grid=(B, H, V // BV),
+        in_specs=[fk, fk, fk, fa, fg, fv, fs],
+        out_specs=[fv, fh, fs],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), F32),
+                   jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
+                   jax.ShapeDtypeStruct((B, H, V, K), F32)],
         interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_bwd",
-    )(qg, kd, w, u, aqk, gl, h, do, dht)
+    )(qg, kd, w, aqk, gl, do, dht)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw_ref, du_ref,
-                      daqk_ref, dgl_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dtype):
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dtype):
     C = q_ref.shape[0]
     gate = cm.Gate(g_ref[...].astype(F32))
     G, G_last = gate.G, gate.G_last
@@ -112,24 +106,35 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
     exact = cm.exact_precision(dtype)
     rows, cols = cm.iotas(C, C)
 
-    # Qg = scale q e^G and Kd = k e^{G_last - G}; e^{G_last} from the state decay.
-    eG = jnp.exp(G)
-    dqg = dqg_ref[...].astype(F32)
-    dq = scale * eG * dqg
-    dG = q * dq
-    ekd = jnp.exp(G_last - G)
-    dk = ekd * dkd_ref[...].astype(F32)
-    t = k * dk
-    dG = dG - t
-    dG_last = jnp.exp(G_last) * dgl_ref[...].reshape(G_last.shape) + jnp.sum(t, axis=0, keepdims=True)
-
-    # Recompute the chunk factors (forward precision, so A matches the forward's A).
+    # Recompute the chunk factors (forward precision, so A, W, U match the forward's).
     f = cm.chunk_factors(q, k, v, b, gate, scale=scale, dtype=dtype)
     A, X, Y, M = f["A"], f["X"], f["Y"], f["M"]
 
-    # W = A X, U = A Y.
-    dW = dw_ref[...].astype(F32)
+    # The state products (St = S^T [V, K] entering the chunk, dSt = dS^T after it):
+    # V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;  dAqk = dO V'^T;
+    # d e^{G_last} = colsum(S^T * dS^T).
+    St = h_ref[...].astype(F32)
+    dSt = dh_ref[...].astype(F32)
+    do = do_ref[...].astype(F32)
     dU = du_ref[...].astype(F32)
+    vp = f["U"] - cm.dot_nt(f["W"], St, p)
+    dqg = cm.dot(do, St, p)
+    dW = -cm.dot(dU, St, p)
+    dkd = cm.dot(vp, dSt, p)
+    daqk = cm.dot_nt(do, vp, p)
+    dgl = jnp.sum(St * dSt, axis=0, keepdims=True)
+
+    # Qg = scale q e^G and Kd = k e^{G_last - G}; e^{G_last} from the state decay.
+    eG = jnp.exp(G)
+    dq = scale * eG * dqg
+    dG = q * dq
+    ekd = jnp.exp(G_last - G)
+    dk = ekd * dkd
+    t = k * dk
+    dG = dG - t
+    dG_last = jnp.exp(G_last) * dgl + jnp.sum(t, axis=0, keepdims=True)
+
+    # W = A X, U = A Y.
     dX = cm.dot_tn(A, dW, p)
     dY = cm.dot_tn(A, dU, p)
     dk = dk + b * eG * dX
@@ -142,7 +147,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
     dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
     dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
     dM = b * dL
-    dAqk = jnp.where(rows >= cols, daqk_ref[...].astype(F32), 0.0)
+    dAqk = jnp.where(rows >= cols, daqk, 0.0)
 
     # Anchored score tiles, per row block r (rows of block r, anchor anc_r):
     # S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}:
@@ -174,11 +179,12 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqg_ref, dkd_ref, dw
     dbeta_ref[...] = dbeta.reshape(C).astype(dbeta_ref.dtype)
 
 
-def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, chunk_size: int,
-              interpret: bool):
+def intra_bwd(q, k, v, g, beta, do, du, h, dh, *, scale: float, chunk_size: int, interpret: bool):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
-    Args: forward inputs (as intra_fwd) and the summed fp32 outputs of state_bwd.
+    Args: forward inputs (as intra_fwd); do [B, H, T, V]; du [B, H, T, V] fp32 (state_bwd);
+      h [B, H, NT, V, K] (state_fwd: transposed state entering each chunk); dh [B, H, NT, V, K]
+      (state_bwd: transposed grad of the state after each chunk).
     Returns: dq, dk [B, H, T, K] (q's dtype), dv [B, H, T, V] (v's dtype), dg [B, H, T, K] fp32,
       dbeta [B, H, T] fp32.
     """
@@ -189,12 +195,11 @@ def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, ch
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
     tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
     tb = pl.BlockSpec((None, None, C), lambda b, h, c: (b, h, c))
-    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
     kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[tk, tk, tv, tk, tb, tk, tk, tk, tv, ta, tg],
+        in_specs=[tk, tk, tv, tk, tb, tv, tv, ts, ts],
         out_specs=[tk, tk, tv, tk, tb],
         out_shape=[jax.ShapeDtypeStruct((B, H, T, K), q.dtype),
                    jax.ShapeDtypeStruct((B, H, T, K), k.dtype),
@@ -202,4 +207,4 @@ def intra_bwd(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl, *, scale: float, ch
                    jax.ShapeDtypeStruct((B, H, T, K), F32),
                    jax.ShapeDtypeStruct((B, H, T), F32)],
         interpret=interpret, compiler_params=cm.INTRA_PARAMS, name="kda_intra_bwd",
-    )(q, k, v, g, beta, dqg, dkd, dw, du, daqk, dgl)
+    )(q, k, v, g, beta, do, du, h, dh)

@@ -81,7 +81,7 @@ def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_r
     def body(c, St):                                    # St: [BV, K] fp32 state entering chunk c
         rows = pl.ds(c * C, C)
         if h_ref is not None:
-            h_ref[c] = St
+            h_ref[c] = St.astype(h_ref.dtype)
         vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w_ref[rows, :].astype(F32), St, precision)
         o = (cm.dot_nt(qg_ref[rows, :].astype(F32), St, precision)
              + cm.dot(aqk_ref[rows, :].astype(F32), vp, precision))
@@ -93,14 +93,14 @@ def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_r
 
 
 def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
-              interpret: bool, precision=None, save_states: bool = True):
+              interpret: bool, precision=None, save_states: bool = True, state_dtype=F32):
     """Serial pass over chunks, one program per (batch, head, V-block); fp32 state in registers.
 
     Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state); precision of the
       fp32 dots (common.mm_precision of the input dtype); save_states: also write the per-chunk
       states for the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per
-      (batch, head), 2.1 GB at 8x4096x16, K = V = 128).
-    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] fp32 (state entering each chunk) or
+      (batch, head), 2.1 GB at 8x4096x16, K = V = 128); state_dtype: storage dtype of those states.
+    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] (state_dtype; state entering each chunk) or
       None when save_states is False; ht [B, H, V, K] fp32 (final state, transposed).
     """
     B, H, T, K = qg.shape
@@ -116,7 +116,7 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
     out_specs = [fv, fh, fs] if save_states else [fv, fs]
     out_shape = [jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
-                 jax.ShapeDtypeStruct((B, H, NT, V, K), F32),
+                 jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
                  jax.ShapeDtypeStruct((B, H, V, K), F32)]
     if not save_states:
         out_shape = [out_shape[0], out_shape[2]]
