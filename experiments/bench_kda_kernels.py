@@ -78,7 +78,7 @@ def make_inputs(B, T, H, K, *, head_major: bool):
 def time_kernels(B, T, H, K, iters, warmup, interpret=False):
     """Median ms of each pallas_call (forward and backward) at one shape; dict kernel -> ms."""
     sc = K ** -0.5
-    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=True)
+    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
     h0 = jnp.zeros((B, H, K, K), jnp.float32)
     prec = common.mm_precision(q.dtype)
     bv = min(K, 64)

@@ -1,6 +1,7 @@
 """KDA chunk backward kernels: the reverse state pass and the intra-chunk gradients.
 
-Same layouts and units as fwd.py (head-major, states transposed [V, K] fp32, gates in nats).
+Same layouts and units as fwd.py (user-facing tensors and their gradients token-major [B, T, H, .],
+intermediates head-major, states transposed [V, K], gates in nats).
 
 Per chunk with incoming state S, the forward is
   V' = U - W S;  O = Qg S + Aqk V';  S_next = D S + Kd^T V'
@@ -65,7 +66,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     the states (dQg, dW, dKd, dAqk, d e^{G_last}) are parallel over chunks and left to intra_bwd.
 
     Args: the intra_fwd outputs qg, kd, w [B, H, T, K], aqk [B, H, T, C], gl [B, H, NT, K];
-      do [B, H, T, V]; dht [B, H, V, K] (transposed); precision of the fp32 dots; state_dtype:
+      do [B, T, H, V]; dht [B, H, V, K] (transposed); precision of the fp32 dots; state_dtype:
       storage dtype of dh.
     Returns: du = dV' [B, H, T, V] fp32; dh [B, H, NT, V, K] (state_dtype; grad of the state after
       each chunk, transposed); dh0 [B, H, V, K] fp32.
@@ -77,6 +78,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     BV = block_v
     fk = pl.BlockSpec((None, None, T, K), lambda b, hh, iv: (b, hh, 0, 0))
     fv = pl.BlockSpec((None, None, T, BV), lambda b, hh, iv: (b, hh, 0, iv))
+    fo = pl.BlockSpec((None, T, None, BV), lambda b, hh, iv: (b, 0, hh, iv))
     fa = pl.BlockSpec((None, None, T, C), lambda b, hh, iv: (b, hh, 0, 0))
     fg = pl.BlockSpec((None, None, NT, K), lambda b, hh, iv: (b, hh, 0, 0))
     fs = pl.BlockSpec((None, None, BV, K), lambda b, hh, iv: (b, hh, iv, 0))
@@ -84,7 +86,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     return pl.pallas_call(
         functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision),
         grid=(B, H, V // BV),
-        in_specs=[fk, fk, fk, fa, fg, fv, fs],
+        in_specs=[fk, fk, fk, fa, fg, fo, fs],
         out_specs=[fv, fh, fs],
         out_shape=[jax.ShapeDtypeStruct((B, H, T, V), F32),
                    jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
@@ -182,29 +184,31 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, *, scale: float, chunk_size: int, interpret: bool):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
-    Args: forward inputs (as intra_fwd); do [B, H, T, V]; du [B, H, T, V] fp32 (state_bwd);
+    Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
+      (state_bwd);
       h [B, H, NT, V, K] (state_fwd: transposed state entering each chunk); dh [B, H, NT, V, K]
       (state_bwd: transposed grad of the state after each chunk).
-    Returns: dq, dk [B, H, T, K] (q's dtype), dv [B, H, T, V] (v's dtype), dg [B, H, T, K] fp32,
-      dbeta [B, H, T] fp32.
+    Returns (token-major): dq, dk [B, T, H, K] (q's dtype), dv [B, T, H, V] (v's dtype),
+      dg [B, T, H, K] fp32, dbeta [B, T, H] fp32.
     """
-    B, H, T, K = q.shape
+    B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
+    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
+    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
+    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
     tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    tb = pl.BlockSpec((None, None, C), lambda b, h, c: (b, h, c))
     ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
     kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[tk, tk, tv, tk, tb, tv, tv, ts, ts],
-        out_specs=[tk, tk, tv, tk, tb],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, H, T, V), v.dtype),
-                   jax.ShapeDtypeStruct((B, H, T, K), F32),
-                   jax.ShapeDtypeStruct((B, H, T), F32)],
+        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts],
+        out_specs=[ik, ik, iv, ik, ib],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, K), F32),
+                   jax.ShapeDtypeStruct((B, T, H), F32)],
         interpret=interpret, compiler_params=cm.INTRA_PARAMS, name="kda_intra_bwd",
     )(q, k, v, g, beta, do, du, h, dh)

@@ -1,9 +1,11 @@
 """KDA chunk forward kernels: intra-chunk factors (parallel) and the serial state pass.
 
-Layouts inside the kernels are head-major: q, k, g [B, H, T, K]; v [B, H, T, V]; beta [B, H, T];
-states are stored TRANSPOSED as [V, K] (fp32) so that the per-channel decay exp(G_last) [1, K]
-broadcasts along rows. T is a multiple of the chunk size C; K, V are powers of two >= 16 (the
-wrapper in ops.py pads). Gate units: nats, fp32.
+Layouts: the user-facing tensors stay token-major as given, q, k, g [B, T, H, K], v and o
+[B, T, H, V], beta [B, T, H] (BlockSpecs pick one head's [C, K] rows with stride H * K: no transposes
+in XLA); the kernels' own intermediates (chunk factors, saved states) are head-major [B, H, T, .].
+States are stored TRANSPOSED as [V, K] so that the per-channel decay exp(G_last) [1, K] broadcasts
+along rows. T is a multiple of the chunk size C; K, V are powers of two >= 16 (the wrapper in ops.py
+pads). Gate units: nats, fp32.
 
 Source: the chunk form of Kimi Linear (arXiv 2510.26692) Eq. 1 as in fla `chunk_kda`
 (ANCHORS.md section 1):
@@ -41,21 +43,23 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
               factor_dtype=F32):
     """Per-chunk factors, one program per (batch, head, chunk).
 
-    Args: q, k [B, H, T, K] (bf16 or fp32); v [B, H, T, V]; g [B, H, T, K] fp32 log-decay (nats);
-      beta [B, H, T]. T % chunk_size == 0.
+    Args: q, k [B, T, H, K] (bf16 or fp32); v [B, T, H, V]; g [B, T, H, K] fp32 log-decay (nats);
+      beta [B, T, H]. T % chunk_size == 0.
       factor_dtype: storage dtype of qg, kd, w, u, aqk (one dtype, or a tuple of 5 in that order;
         computed in fp32, rounded once on store; the state kernels upcast on load).
     Returns: qg = scale q e^G [B,H,T,K]; kd = k e^{G_last-G} [B,H,T,K]; w [B,H,T,K]; u [B,H,T,V];
       aqk [B,H,T,C] (row-block c holds the chunk's lower-triangular scaled q.k scores), in
       factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32.
     """
-    B, H, T, K = q.shape
+    B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
+    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
+    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
+    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
     tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    tb = pl.BlockSpec((None, None, C), lambda b, h, c: (b, h, c))
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
     tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
     fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
@@ -65,7 +69,7 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[tk, tk, tv, tk, tb],
+        in_specs=[ik, ik, iv, ik, ib],
         out_specs=[tk, tk, tk, tv, ta, tg],
         out_shape=out_shape, interpret=interpret, compiler_params=cm.INTRA_PARAMS,
         name="kda_intra_fwd",
@@ -100,7 +104,7 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
       fp32 dots (common.mm_precision of the input dtype); save_states: also write the per-chunk
       states for the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per
       (batch, head), 2.1 GB at 8x4096x16, K = V = 128); state_dtype: storage dtype of those states.
-    Returns: o [B, H, T, V] (out_dtype); h [B, H, NT, V, K] (state_dtype; state entering each chunk) or
+    Returns: o [B, T, H, V] (out_dtype); h [B, H, NT, V, K] (state_dtype; state entering each chunk) or
       None when save_states is False; ht [B, H, V, K] fp32 (final state, transposed).
     """
     B, H, T, K = qg.shape
@@ -114,8 +118,9 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     fg = pl.BlockSpec((None, None, NT, K), lambda b, h, iv: (b, h, 0, 0))
     fs = pl.BlockSpec((None, None, BV, K), lambda b, h, iv: (b, h, iv, 0))
     fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
-    out_specs = [fv, fh, fs] if save_states else [fv, fs]
-    out_shape = [jax.ShapeDtypeStruct((B, H, T, V), out_dtype),
+    fo = pl.BlockSpec((None, T, None, BV), lambda b, h, iv: (b, 0, h, iv))
+    out_specs = [fo, fh, fs] if save_states else [fo, fs]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
                  jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
                  jax.ShapeDtypeStruct((B, H, V, K), F32)]
     if not save_states:

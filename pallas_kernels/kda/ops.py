@@ -5,8 +5,9 @@ over (batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; paralle
 V-block)). Backward: reuses the chunk factors and per-chunk states saved by the forward (intra_fwd
 is the expensive kernel, so it is not re-run); `bwd.state_bwd` (reverse serial pass) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
-give dq, dk, dv, dg, dbeta and dh0. Every gradient is computed by Pallas kernels; the only XLA work
-is layout (transpose, pad, slice).
+give dq, dk, dv, dg, dbeta and dh0. Every gradient is computed by Pallas kernels; the kernels read
+and write the user's token-major [B, T, H, .] tensors directly (BlockSpecs), so the only XLA work
+is zero padding / slicing when T is not a multiple of 64 or K, V not a power of two.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.COMPILER_PARAMS` sets num_stages=1);
@@ -98,7 +99,7 @@ def _pow2(n: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
-    """Padded head-major core: q, k, g [B,H,Tp,Kp]; v [B,H,Tp,Vp]; beta [B,H,Tp]; h0 [B,H,Vp,Kp].
+    """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp].
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written.
     """
@@ -171,21 +172,20 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     Kp, Vp = _pow2(K), _pow2(V)
     block_v = min(Vp, 64)
 
-    def prep(x, n, dtype=None):        # [B, T, H, n] -> [B, H, Tp, n_pad]; zero padding is inert
-        x = jnp.transpose(x, (0, 2, 1, 3))
-        x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, n - x.shape[-1])))
-        return x if dtype is None else x.astype(dtype)
+    def prep(x, n=None):        # zero padding of T (and K / V) is inert; a no-op when aligned
+        pad = [(0, 0), (0, Tp - T), (0, 0)] + ([] if n is None else [(0, n - x.shape[-1])])
+        return jnp.pad(x, pad) if any(p[1] for p in pad) else x
 
-    qh, kh = prep(q, Kp), prep(k, Kp)
-    vh = prep(v, Vp)
-    gh = prep(g, Kp, jnp.float32)
-    bh = jnp.pad(jnp.transpose(beta, (0, 2, 1)), ((0, 0), (0, 0), (0, Tp - T)))
+    qp, kp = prep(q, Kp), prep(k, Kp)
+    vp = prep(v, Vp)
+    gp = prep(g.astype(jnp.float32), Kp)
+    bp = prep(beta)
     if initial_state is None:
         h0 = jnp.zeros((B, H, Vp, Kp), jnp.float32)
     else:
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
-    o, ht = _core(qh, kh, vh, gh, bh, h0, float(scale), C, block_v, bool(interpret))
-    o = jnp.transpose(o[:, :, :T, :V], (0, 2, 1, 3))
+    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, bool(interpret))
+    o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
     return o, final
