@@ -42,6 +42,9 @@ flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
 flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for state_fwd/state_bwd")
 flags.DEFINE_bool("chunked", True, "also time the XLA chunked op (k3jax.ops.kda_chunked)")
+flags.DEFINE_integer("chunked_max_t", 16384, "skip the XLA chunked op above this T (its serial scan "
+                     "over T / 64 chunks is slow to compile and run; shared/bench/jla_anchor.py skips "
+                     "it there too)")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (a CPU smoke run of this script only)")
 
 LOWER_BOUND = -5.0
@@ -155,7 +158,7 @@ def main(argv):
                     row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
                 save()
                 print(json.dumps(row), flush=True)
-        if FLAGS.chunked:
+        if FLAGS.chunked and T <= FLAGS.chunked_max_t:
             from k3jax.ops.kda_chunked import kda_chunked
             row = {"shape": s, "implementation": "chunked_xla"}
             res["rows"].append(row)
