@@ -14,8 +14,11 @@ times, then --iters calls are timed one by one with `block_until_ready`; the med
 The inputs of one kernel are fixed across its calls (they are hundreds of MB, far larger than L2).
 
 Rows are appended to --out (JSON) after every measurement, so a run cut by a time limit keeps what it
-measured. Compiler parameters of the intra / state kernels can be swept with --intra_warps /
---state_warps (Triton num_warps; num_stages stays 1).
+measured. Compiler parameters of the intra / serial kernels can be swept with --intra_warps /
+--state_warps (Triton num_warps; num_stages stays 1), and the sequence split of the state passes
+(split.py) with --splits (segment length in chunks; 0 = one serial pass). With a split, the kernels
+transitions_fwd / scan_fwd (and transitions_bwd / scan_bwd) are timed too and state_fwd / state_bwd
+run per segment.
 
 Run (GPU): python -m experiments.bench_kda_kernels --shapes=8x4096x16x128,1x65536x16x128 \
              --out=$OUT/kda_kernels.json
@@ -32,7 +35,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, fwd, ops
+from pallas_kernels.kda import bwd, common, fwd, ops, split
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x4096x16x128", "1x65536x16x128"], "BxTxHxK shapes (V = K)")
@@ -40,7 +43,10 @@ flags.DEFINE_string("out", "kda_kernels.json", "JSON file, rewritten after every
 flags.DEFINE_integer("iters", 20, "timed calls per measurement (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
-flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for state_fwd/state_bwd")
+flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for the serial kernels")
+flags.DEFINE_list("splits", ["16", "0"], "sequence-split segment lengths in chunks to compare "
+                  "(0 = one serial pass; a value that does not divide T / 64 into >= 2 segments "
+                  "falls back to 0, as in ops.split_chunks)")
 flags.DEFINE_bool("chunked", True, "also time the XLA chunked op (k3jax.ops.kda_chunked)")
 flags.DEFINE_integer("chunked_max_t", 16384, "skip the XLA chunked op above this T (its serial scan "
                      "over T / 64 chunks is slow to compile and run; shared/bench/jla_anchor.py skips "
@@ -78,40 +84,63 @@ def make_inputs(B, T, H, K, *, head_major: bool):
     return q, k, v, g, beta, do
 
 
-def time_kernels(B, T, H, K, iters, warmup, interpret=False):
-    """Median ms of each pallas_call (forward and backward) at one shape; dict kernel -> ms."""
+def time_kernels(B, T, H, K, iters, warmup, seg, interpret=False):
+    """Median ms of each pallas_call (forward and backward) at one shape; dict kernel -> ms.
+
+    seg: sequence-split segment length in chunks (0 = one serial pass), as ops.split_chunks returns.
+    """
     sc = K ** -0.5
     q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
     h0 = jnp.zeros((B, H, K, K), jnp.float32)
-    prec = common.mm_precision(q.dtype)
-    bv = min(K, 64)
-    f1 = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
-                                          factor_dtype=ops.factor_dtypes(q.dtype)))
-    f2 = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
-                                               out_dtype=jnp.bfloat16, interpret=interpret,
-                                               precision=prec,
-                                               state_dtype=ops.saved_state_dtype(q.dtype)))
-    f2n = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, chunk_size=CHUNK, block_v=bv,
-                                                out_dtype=jnp.bfloat16, interpret=interpret,
-                                                precision=prec, save_states=False))
-    f3 = jax.jit(lambda fac, do, dht: bwd.state_bwd(fac[0], fac[1], fac[2], fac[4], fac[5], do, dht,
-                                                     chunk_size=CHUNK, block_v=bv,
-                                                     interpret=interpret, precision=prec,
-                                                     state_dtype=ops.saved_state_dtype(q.dtype)))
-    f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
+    prec, exact = common.mm_precision(q.dtype), common.exact_precision(q.dtype)
+    sdt = ops.saved_state_dtype(q.dtype)
+    kw_k = dict(chunk_size=CHUNK, block_v=min(K, 64), interpret=interpret)
     kw = dict(iters=iters, warmup=warmup)
     out = {}
+    f1 = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                          factor_dtype=ops.factor_dtypes(q.dtype)))
     fac = f1(q, k, v, g, beta)
     out["intra_fwd"] = median_ms(f1, q, k, v, g, beta, **kw)
-    o, h, ht = f2(fac, h0)
-    out["state_fwd"] = median_ms(f2, fac, h0, **kw)
-    out["state_fwd_nosave"] = median_ms(f2n, fac, h0, **kw)
-    du, dh, dh0 = f3(fac, do, ht)
-    out["state_bwd"] = median_ms(f3, fac, do, ht, **kw)
+    qg, kd, w, u, aqk, gl = fac
+    starts, ends = h0, None
+    if seg:
+        ft = jax.jit(lambda kd, w, u, gl: split.transitions_fwd(kd, w, u, gl, seg_chunks=seg,
+                                                                precision=exact, **kw_k))
+        P, R = ft(kd, w, u, gl)
+        out["transitions_fwd"] = median_ms(ft, kd, w, u, gl, **kw)
+        fs = jax.jit(lambda x0, P, R: split.segment_scan(x0, P, R, reverse=False, block_v=min(K, 64),
+                                                         interpret=interpret, precision=exact))
+        starts, _ = fs(h0, P, R)
+        out["scan_fwd"] = median_ms(fs, h0, P, R, **kw)
+    f2 = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, out_dtype=jnp.bfloat16, precision=prec,
+                                               state_dtype=sdt, **kw_k))
+    f2n = jax.jit(lambda fac, h0: fwd.state_fwd(*fac, h0, out_dtype=jnp.bfloat16, precision=prec,
+                                                save_states=False, **kw_k))
+    o, h, ht = f2(fac, starts)
+    out["state_fwd"] = median_ms(f2, fac, starts, **kw)
+    out["state_fwd_nosave"] = median_ms(f2n, fac, starts, **kw)
+    dht = ht if ht.ndim == 4 else ht[:, :, -1]
+    ends = dht
+    if seg:
+        ftb = jax.jit(lambda qg, kd, w, aqk, gl, do: split.transitions_bwd(
+            qg, kd, w, aqk, gl, do, seg_chunks=seg, precision=exact, **kw_k))
+        Q, Z = ftb(qg, kd, w, aqk, gl, do)
+        out["transitions_bwd"] = median_ms(ftb, qg, kd, w, aqk, gl, do, **kw)
+        fsb = jax.jit(lambda x0, Q, Z: split.segment_scan(x0, Q, Z, reverse=True, block_v=min(K, 64),
+                                                          interpret=interpret, precision=exact))
+        ends, _ = fsb(dht, Q, Z)
+        out["scan_bwd"] = median_ms(fsb, dht, Q, Z, **kw)
+    f3 = jax.jit(lambda fac, do, dht: bwd.state_bwd(fac[0], fac[1], fac[2], fac[4], fac[5], do, dht,
+                                                     precision=prec, state_dtype=sdt, **kw_k))
+    du, dh, _ = f3(fac, do, ends)
+    out["state_bwd"] = median_ms(f3, fac, do, ends, **kw)
+    f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
     out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, do, du, h, dh, **kw)
-    out["kernels_fwd_sum"] = out["intra_fwd"] + out["state_fwd_nosave"]
-    out["kernels_fwd_bwd_sum"] = sum(out[n] for n in ("intra_fwd", "state_fwd", "state_bwd",
-                                                      "intra_bwd"))
+    split_f = out.get("transitions_fwd", 0.0) + out.get("scan_fwd", 0.0)
+    split_b = out.get("transitions_bwd", 0.0) + out.get("scan_bwd", 0.0)
+    out["kernels_fwd_sum"] = out["intra_fwd"] + split_f + out["state_fwd_nosave"]
+    out["kernels_fwd_bwd_sum"] = (out["intra_fwd"] + split_f + out["state_fwd"] + split_b
+                                  + out["state_bwd"] + out["intra_bwd"])
     return out
 
 
@@ -140,24 +169,26 @@ def main(argv):
 
     for s in FLAGS.shapes:
         B, T, H, K = (int(x) for x in s.split("x"))
-        for iw in FLAGS.intra_warps:
-            for sw in FLAGS.state_warps:
-                common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=int(iw), num_stages=1)
-                common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=int(sw), num_stages=1)
-                row = {"shape": s, "intra_warps": int(iw), "state_warps": int(sw)}
-                res["rows"].append(row)
-                try:
-                    row.update(time_kernels(B, T, H, K, FLAGS.iters, FLAGS.warmup, FLAGS.interpret))
-                    save()
-                    print(json.dumps(row), flush=True)
-                    pallas = functools.partial(ops.kda_pallas, lower_bound=LOWER_BOUND,
-                                               interpret=FLAGS.interpret)
-                    row.update(time_op("pallas", lambda *a: pallas(*a)[0], B, T, H, K,
-                                       FLAGS.iters, FLAGS.warmup))
-                except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
-                    row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        configs = [(int(iw), int(sw), int(sp)) for iw in FLAGS.intra_warps
+                   for sw in FLAGS.state_warps for sp in FLAGS.splits]
+        for iw, sw, sp in configs:
+            common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=iw, num_stages=1)
+            common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=sw, num_stages=1)
+            seg = ops.split_chunks(T // CHUNK, sp)
+            row = {"shape": s, "intra_warps": iw, "state_warps": sw, "sequence_split": seg}
+            res["rows"].append(row)
+            try:
+                row.update(time_kernels(B, T, H, K, FLAGS.iters, FLAGS.warmup, seg, FLAGS.interpret))
                 save()
                 print(json.dumps(row), flush=True)
+                pallas = functools.partial(ops.kda_pallas, lower_bound=LOWER_BOUND,
+                                           interpret=FLAGS.interpret, sequence_split=seg)
+                row.update(time_op("pallas", lambda *a: pallas(*a)[0], B, T, H, K,
+                                   FLAGS.iters, FLAGS.warmup))
+            except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
+                row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            save()
+            print(json.dumps(row), flush=True)
         if FLAGS.chunked and T <= FLAGS.chunked_max_t:
             from k3jax.ops.kda_chunked import kda_chunked
             row = {"shape": s, "implementation": "chunked_xla"}

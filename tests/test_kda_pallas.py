@@ -18,8 +18,8 @@ import pytest
 
 from k3jax.ops.kda import kda, kda_recurrent
 from pallas_kernels.kda import ops
-from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, assert_rms_close,
-                               make_kda_inputs, rms_ratio)
+from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES,
+                               assert_rms_close, kda_loss_and_grads, make_kda_inputs, rms_ratio)
 from tests.test_kda_ops import KDAImplementationTests
 
 INTERPRET_SHAPES = [FLA_SHAPES[0], FLA_SHAPES[1]]          # (1, 63, 1, 64), (2, 500, 3, 60)
@@ -84,6 +84,27 @@ class TestPallasInterpret(KDAImplementationTests):
         for bad, word in ((dict(use_qk_l2norm=True), "use_qk_l2norm"), (dict(chunk_size=32), "chunk_size")):
             with pytest.raises(ValueError, match=word):
                 kda(*_args(x), implementation="pallas", lower_bound=-5.0, interpret=self.interpret, **bad)
+
+    @pytest.mark.parametrize("sequence_split", [0, 2])
+    def test_weak_decay_long_memory(self, sequence_split):
+        # g = -0.05 sigmoid(N(0,1)): the state carries across all 8 chunks (with the default inputs'
+        # g ~ -2.5 per token it is forgotten inside one chunk, so the chunk-to-chunk state pass and
+        # its sequence split would go unchecked). sequence_split=2: 4 segments of 2 chunks.
+        x = make_kda_inputs(jax.random.PRNGKey(12), 1, 512, 2, 32, 16)
+        x["g"] = 0.01 * x["g"]
+        do = jax.random.normal(jax.random.PRNGKey(13), (1, 512, 2, 16))
+        dht = jax.random.normal(jax.random.PRNGKey(14), (1, 2, 32, 16))
+        kw = dict(lower_bound=-5.0, interpret=self.interpret, sequence_split=sequence_split,
+                  output_final_state=True)
+        o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
+            lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+        o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
+            lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True),
+            x, do, dht))(x)
+        assert_rms_close("o", o_ref, o, FP32_TOLERANCE)
+        assert_rms_close("ht", ht_ref, ht, FP32_TOLERANCE)
+        for name in GRAD_NAMES:
+            assert_rms_close(name, g_ref[name], grads[name], FP32_TOLERANCE)
 
     def test_gates_at_lower_bound(self):
         # g = -5 on every channel: the diagonal tiles reach exp(+75) before the select mask.
@@ -156,20 +177,23 @@ class TestTritonLowering:
     """Forward and gradient lower to Triton IR for CUDA (K = V = 128, the benchmark's head dim)."""
 
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-    def test_lowers_for_cuda(self, dtype):
-        B, T, H, K = 1, 128, 2, 128
+    @pytest.mark.parametrize("sequence_split", [0, None])
+    def test_lowers_for_cuda(self, dtype, sequence_split):
+        # T = 2048 = 32 chunks: the default sequence split (16-chunk segments) is active unless 0.
+        B, T, H, K = 1, 2048, 2, 128
         q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
         beta = jax.ShapeDtypeStruct((B, T, H), dtype)
 
         def fwd(q, k, v, g, beta):
-            return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0)[0]
+            return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, sequence_split=sequence_split)[0]
 
         def loss(*a):
             return jnp.sum(fwd(*a).astype(jnp.float32))
 
+        n_fwd, n_bwd = (2, 2) if sequence_split == 0 else (4, 4)
         with _fake_h200():
-            for fn, n_calls in ((fwd, 2), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 4)):
+            for fn, n_calls in ((fwd, n_fwd), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), n_fwd + n_bwd)):
                 text = jax.jit(fn).trace(q, q, q, g, beta).lower(lowering_platforms=("cuda",)).as_text()
                 assert text.count("__gpu$xla.gpu.triton") == n_calls
 

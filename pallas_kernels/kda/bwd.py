@@ -59,40 +59,48 @@ def _state_bwd_kernel(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref,
 
 def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, interpret: bool,
               precision=None, state_dtype=F32):
-    """Reverse serial pass over chunks, one program per (batch, head, V-block); fp32 dS in registers.
+    """Reverse serial pass over chunks, one program per (batch, head, V-block, segment); fp32 dS in
+    registers.
 
     Only what the recurrence needs runs here: dV' = Aqk^T dO + Kd dS_next and
     dS = Qg^T dO + D dS_next - W^T dV' (none of it needs the forward states). The products with
     the states (dQg, dW, dKd, dAqk, d e^{G_last}) are parallel over chunks and left to intra_bwd.
 
     Args: the intra_fwd outputs qg, kd, w [B, H, T, K], aqk [B, H, T, C], gl [B, H, NT, K];
-      do [B, T, H, V]; dht [B, H, V, K] (transposed); precision of the fp32 dots; state_dtype:
-      storage dtype of dh.
+      do [B, T, H, V]; dht [B, H, V, K] (transposed final-state gradient), or [B, H, NS, V, K]: the
+      true gradient at the end of each of NS equal segments (split.segment_scan, reverse), which then
+      run in parallel; precision of the fp32 dots; state_dtype: storage dtype of dh.
     Returns: du = dV' [B, H, T, V] fp32; dh [B, H, NT, V, K] (state_dtype; grad of the state after
-      each chunk, transposed); dh0 [B, H, V, K] fp32.
+      each chunk, transposed); dh0 fp32 of dht's rank (per segment: the gradient at its start).
     """
     B, H, T, K = qg.shape
     V = do.shape[-1]
     C = chunk_size
     NT = T // C
     BV = block_v
-    fk = pl.BlockSpec((None, None, T, K), lambda b, hh, iv: (b, hh, 0, 0))
-    fv = pl.BlockSpec((None, None, T, BV), lambda b, hh, iv: (b, hh, 0, iv))
-    fo = pl.BlockSpec((None, T, None, BV), lambda b, hh, iv: (b, 0, hh, iv))
-    fa = pl.BlockSpec((None, None, T, C), lambda b, hh, iv: (b, hh, 0, 0))
-    fg = pl.BlockSpec((None, None, NT, K), lambda b, hh, iv: (b, hh, 0, 0))
-    fs = pl.BlockSpec((None, None, BV, K), lambda b, hh, iv: (b, hh, iv, 0))
-    fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, hh, iv: (b, hh, 0, iv, 0))
-    return pl.pallas_call(
+    per_segment = dht.ndim == 5
+    dht = dht if per_segment else dht[:, :, None]
+    NS = dht.shape[2]
+    Ls = NT // NS
+    L = Ls * C
+    fk = pl.BlockSpec((None, None, L, K), lambda b, hh, iv, s: (b, hh, s, 0))
+    fv = pl.BlockSpec((None, None, L, BV), lambda b, hh, iv, s: (b, hh, s, iv))
+    fo = pl.BlockSpec((None, L, None, BV), lambda b, hh, iv, s: (b, s, hh, iv))
+    fa = pl.BlockSpec((None, None, L, C), lambda b, hh, iv, s: (b, hh, s, 0))
+    fg = pl.BlockSpec((None, None, Ls, K), lambda b, hh, iv, s: (b, hh, s, 0))
+    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, hh, iv, s: (b, hh, s, iv, 0))
+    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, hh, iv, s: (b, hh, s, iv, 0))
+    du, dh, dh0 = pl.pallas_call(
         functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision),
-        grid=(B, H, V // BV),
+        grid=(B, H, V // BV, NS),
         in_specs=[fk, fk, fk, fa, fg, fo, fs],
         out_specs=[fv, fh, fs],
         out_shape=[jax.ShapeDtypeStruct((B, H, T, V), F32),
                    jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
-                   jax.ShapeDtypeStruct((B, H, V, K), F32)],
+                   jax.ShapeDtypeStruct((B, H, NS, V, K), F32)],
         interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_bwd",
     )(qg, kd, w, aqk, gl, do, dht)
+    return du, dh, (dh0 if per_segment else dh0[:, :, 0])
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,

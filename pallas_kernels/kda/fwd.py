@@ -98,37 +98,48 @@ def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_r
 
 def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
               interpret: bool, precision=None, save_states: bool = True, state_dtype=F32):
-    """Serial pass over chunks, one program per (batch, head, V-block); fp32 state in registers.
+    """Serial pass over chunks, one program per (batch, head, V-block, segment); fp32 state in
+    registers.
 
-    Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state); precision of the
-      fp32 dots (common.mm_precision of the input dtype); save_states: also write the per-chunk
-      states for the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per
-      (batch, head), 2.1 GB at 8x4096x16, K = V = 128); state_dtype: storage dtype of those states.
+    Args: the intra_fwd outputs; h0 [B, H, V, K] fp32 (transposed initial state), or
+      [B, H, NS, V, K]: the true state entering each of NS equal segments of chunks
+      (split.segment_scan), which then run in parallel; precision of the fp32 dots
+      (common.mm_precision of the input dtype); save_states: also write the per-chunk states for
+      the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per (batch, head),
+      2.1 GB at 8x4096x16, K = V = 128 in fp32); state_dtype: storage dtype of those states.
     Returns: o [B, T, H, V] (out_dtype); h [B, H, NT, V, K] (state_dtype; state entering each chunk) or
-      None when save_states is False; ht [B, H, V, K] fp32 (final state, transposed).
+      None when save_states is False; ht fp32, transposed, of h0's rank: the state after the last
+      chunk ([B, H, V, K]) or after each segment ([B, H, NS, V, K]).
     """
     B, H, T, K = qg.shape
     V = u.shape[-1]
     C = chunk_size
     NT = T // C
     BV = block_v
-    fk = pl.BlockSpec((None, None, T, K), lambda b, h, iv: (b, h, 0, 0))
-    fv = pl.BlockSpec((None, None, T, BV), lambda b, h, iv: (b, h, 0, iv))
-    fa = pl.BlockSpec((None, None, T, C), lambda b, h, iv: (b, h, 0, 0))
-    fg = pl.BlockSpec((None, None, NT, K), lambda b, h, iv: (b, h, 0, 0))
-    fs = pl.BlockSpec((None, None, BV, K), lambda b, h, iv: (b, h, iv, 0))
-    fh = pl.BlockSpec((None, None, NT, BV, K), lambda b, h, iv: (b, h, 0, iv, 0))
-    fo = pl.BlockSpec((None, T, None, BV), lambda b, h, iv: (b, 0, h, iv))
+    per_segment = h0.ndim == 5
+    h0 = h0 if per_segment else h0[:, :, None]
+    NS = h0.shape[2]
+    Ls = NT // NS
+    L = Ls * C
+    fk = pl.BlockSpec((None, None, L, K), lambda b, h, iv, s: (b, h, s, 0))
+    fv = pl.BlockSpec((None, None, L, BV), lambda b, h, iv, s: (b, h, s, iv))
+    fa = pl.BlockSpec((None, None, L, C), lambda b, h, iv, s: (b, h, s, 0))
+    fg = pl.BlockSpec((None, None, Ls, K), lambda b, h, iv, s: (b, h, s, 0))
+    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    fo = pl.BlockSpec((None, L, None, BV), lambda b, h, iv, s: (b, s, h, iv))
     out_specs = [fo, fh, fs] if save_states else [fo, fs]
     out_shape = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
                  jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
-                 jax.ShapeDtypeStruct((B, H, V, K), F32)]
+                 jax.ShapeDtypeStruct((B, H, NS, V, K), F32)]
     if not save_states:
         out_shape = [out_shape[0], out_shape[2]]
     outs = pl.pallas_call(
-        functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision), grid=(B, H, V // BV),
+        functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision),
+        grid=(B, H, V // BV, NS),
         in_specs=[fk, fk, fk, fv, fa, fg, fs],
         out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_fwd",
     )(qg, kd, w, u, aqk, gl, h0)
-    return tuple(outs) if save_states else (outs[0], None, outs[1])
+    o, h, ht = tuple(outs) if save_states else (outs[0], None, outs[1])
+    return o, h, (ht if per_segment else ht[:, :, 0])

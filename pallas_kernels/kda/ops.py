@@ -23,12 +23,25 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, fwd
+from pallas_kernels.kda import bwd, common, fwd, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
 MAX_HEAD_DIM = 128         # largest K, V the tests cover
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Sequence split of the serial state passes (split.py): segments of this many chunks run in
+# parallel when the chunk count is a multiple of it and at least twice it. 0 turns it off.
+SEQUENCE_SPLIT_CHUNKS = 16
+
+
+def split_chunks(n_chunks: int, sequence_split: int | None = None) -> int:
+    """Segment length (in chunks) for the state passes, or 0 for one serial pass.
+
+    sequence_split: None = SEQUENCE_SPLIT_CHUNKS; 0 = off; L > 0 = segments of L chunks, used only
+    when n_chunks % L == 0 and n_chunks >= 2 L.
+    """
+    L = SEQUENCE_SPLIT_CHUNKS if sequence_split is None else int(sequence_split)
+    return L if L > 0 and n_chunks % L == 0 and n_chunks >= 2 * L else 0
 
 
 
@@ -97,37 +110,63 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
+def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpret, save_states,
+                state_dtype, dtype):
+    """fwd.state_fwd over all chunks, or split into segments (split.py) when seg_chunks > 0."""
+    kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
+    if not seg_chunks:
+        return fwd.state_fwd(*fac, h0, out_dtype=out_dtype, precision=common.mm_precision(dtype),
+                             save_states=save_states, state_dtype=state_dtype, **kw)
+    qg, kd, w, u, aqk, gl = fac
+    P, R = split.transitions_fwd(kd, w, u, gl, seg_chunks=seg_chunks,
+                                 precision=common.exact_precision(dtype), **kw)
+    starts, ht = split.segment_scan(h0, P, R, reverse=False, block_v=block_v, interpret=interpret,
+                                    precision=common.exact_precision(dtype))
+    o, h, _ = fwd.state_fwd(*fac, starts, out_dtype=out_dtype, precision=common.mm_precision(dtype),
+                            save_states=save_states, state_dtype=state_dtype, **kw)
+    return o, h, ht
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret):
     """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp].
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written.
     """
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype))
-    o, _, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
-                             interpret=interpret, precision=common.mm_precision(q.dtype),
-                             save_states=False)
+    o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
+                           out_dtype=v.dtype, interpret=interpret, save_states=False,
+                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype)
     return o, ht
 
 
-def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, interpret):
-    # The chunk factors are SAVED, not recomputed: on the H200 intra_fwd costs ~17x the state pass
-    # (26.9 ms vs 1.6 ms at 8x4096x16, K = V = 128; experiments/results/kda_pallas_notes.md).
+def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret):
+    # The chunk factors are SAVED, not recomputed (round 1 on the H200: intra_fwd cost ~17x the
+    # state pass; experiments/results/kda_pallas_notes.md).
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype))
-    o, h, ht = fwd.state_fwd(*fac, h0, chunk_size=chunk_size, block_v=block_v, out_dtype=v.dtype,
-                             interpret=interpret, precision=common.mm_precision(q.dtype),
-                             state_dtype=saved_state_dtype(q.dtype))
+    o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
+                           out_dtype=v.dtype, interpret=interpret, save_states=True,
+                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype)
     return (o, ht), (q, k, v, g, beta, h0, h, fac)
 
 
-def _core_bwd(scale, chunk_size, block_v, interpret, res, cts):
+def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, res, cts):
     q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl) = res
     do, dht = cts
-    du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, chunk_size=chunk_size, block_v=block_v,
-                                interpret=interpret, precision=common.mm_precision(q.dtype),
-                                state_dtype=h.dtype)
+    kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
+    if seg_chunks:
+        Q, Z = split.transitions_bwd(qg, kd, w, aqk, gl, do, seg_chunks=seg_chunks,
+                                     precision=common.exact_precision(q.dtype), **kw)
+        ends, _ = split.segment_scan(dht, Q, Z, reverse=True, block_v=block_v, interpret=interpret,
+                                     precision=common.exact_precision(q.dtype))
+        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, ends, precision=common.mm_precision(q.dtype),
+                                    state_dtype=h.dtype, **kw)
+        dh0 = dh0[:, :, 0]
+    else:
+        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=common.mm_precision(q.dtype),
+                                    state_dtype=h.dtype, **kw)
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
@@ -138,7 +177,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = None,
                initial_state=None, output_final_state: bool = False,
-               chunk_size: int = CHUNK_SIZE, interpret: bool = False):
+               chunk_size: int = CHUNK_SIZE, interpret: bool = False,
+               sequence_split: int | None = None):
     """Chunked KDA with Pallas kernels, differentiable (custom_vjp; backward also in Pallas).
 
     Args:
@@ -152,6 +192,8 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
       output_final_state: also return the fp32 final state [B, H, K, V].
       chunk_size: 64 (the only supported value).
       interpret: run the kernels in Pallas interpret mode (CPU).
+      sequence_split: segment length in chunks for the exact sequence split of the serial state
+        passes (split.py; see split_chunks): None = SEQUENCE_SPLIT_CHUNKS, 0 = one serial pass.
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
@@ -185,7 +227,8 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     else:
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
-    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, bool(interpret))
+    seg = split_chunks(Tp // C, sequence_split)
+    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, seg, bool(interpret))
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
     return o, final
