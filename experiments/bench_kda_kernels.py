@@ -44,9 +44,9 @@ flags.DEFINE_integer("iters", 20, "timed calls per measurement (median reported)
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
 flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for the serial kernels")
-flags.DEFINE_list("splits", ["16", "0"], "sequence-split segment lengths in chunks to compare "
-                  "(0 = one serial pass; a value that does not divide T / 64 into >= 2 segments "
-                  "falls back to 0, as in ops.split_chunks)")
+flags.DEFINE_list("splits", ["auto", "0"], "sequence-split segment lengths in chunks to compare: "
+                  "'auto' (ops.split_chunks' rule, what kda_pallas does by default), 0 = one serial "
+                  "pass, L > 0 (falls back to 0 unless it divides T / 64 into >= 2 segments)")
 flags.DEFINE_bool("chunked", True, "also time the XLA chunked op (k3jax.ops.kda_chunked)")
 flags.DEFINE_integer("chunked_max_t", 16384, "skip the XLA chunked op above this T (its serial scan "
                      "over T / 64 chunks is slow to compile and run; shared/bench/jla_anchor.py skips "
@@ -169,12 +169,17 @@ def main(argv):
 
     for s in FLAGS.shapes:
         B, T, H, K = (int(x) for x in s.split("x"))
-        configs = [(int(iw), int(sw), int(sp)) for iw in FLAGS.intra_warps
-                   for sw in FLAGS.state_warps for sp in FLAGS.splits]
-        for iw, sw, sp in configs:
+        n_prog = B * H * (K // min(K, 64))
+        configs = []
+        for iw in FLAGS.intra_warps:
+            for sw in FLAGS.state_warps:
+                for sp in FLAGS.splits:
+                    seg = ops.split_chunks(T // CHUNK, None if sp == "auto" else int(sp), n_prog)
+                    if (int(iw), int(sw), seg) not in configs:
+                        configs.append((int(iw), int(sw), seg))
+        for iw, sw, seg in configs:
             common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=iw, num_stages=1)
             common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=sw, num_stages=1)
-            seg = ops.split_chunks(T // CHUNK, sp)
             row = {"shape": s, "intra_warps": iw, "state_warps": sw, "sequence_split": seg}
             res["rows"].append(row)
             try:

@@ -8,8 +8,8 @@ sizes, fp64) are asserted to RAISE with the reason instead of being compared (fa
 `TestTritonLowering` lowers the forward and the gradient for CUDA on CPU with a faked H200
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`): it catches "cannot lower to Triton"
 errors without a GPU (it does not compile the Triton IR, so shared-memory or register limits are only
-seen on the GPU). `TestPallasGPU` (marker `gpu`) runs the same checks compiled for the H200 (Triton lowering) at
-K = V = 128, T up to 8192, plus a 2^20-token forward with bounded gates.
+seen on the GPU). `TestPallasGPU` (marker `gpu`) runs the same checks compiled for the H200 (Triton
+lowering) at K = V = 128, T up to 8192, plus a 2^20-token forward with bounded gates.
 """
 import jax
 import jax.numpy as jnp
@@ -179,7 +179,8 @@ class TestTritonLowering:
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
     @pytest.mark.parametrize("sequence_split", [0, None])
     def test_lowers_for_cuda(self, dtype, sequence_split):
-        # T = 2048 = 32 chunks: the default sequence split (16-chunk segments) is active unless 0.
+        # T = 2048 = 32 chunks, B * H * V-blocks = 4 programs: the automatic sequence split is on
+        # (8 segments of 4 chunks) unless sequence_split=0.
         B, T, H, K = 1, 2048, 2, 128
         q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)

@@ -29,21 +29,33 @@ CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
 MAX_HEAD_DIM = 128         # largest K, V the tests cover
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# Sequence split of the serial state passes (split.py): segments of this many chunks run in
-# parallel when the chunk count is a multiple of it and at least twice it. 0 turns it off.
-SEQUENCE_SPLIT_CHUNKS = 16
+# Sequence split of the serial state passes (split.py). Automatic rule: split only when the serial
+# pass has fewer than SPLIT_TARGET_PROGRAMS programs (B * H * V-blocks; ~2 per SM on an H200's 132),
+# into the fewest segments (of a power-of-two number of chunks, at least SPLIT_MIN_CHUNKS) that
+# reach it. The split costs ~3x the serial work, so it pays only on an under-filled GPU.
+SPLIT_TARGET_PROGRAMS = 256
+SPLIT_MIN_CHUNKS = 4
 
 
-def split_chunks(n_chunks: int, sequence_split: int | None = None) -> int:
+def split_chunks(n_chunks: int, sequence_split: int | None = None, n_programs: int | None = None) -> int:
     """Segment length (in chunks) for the state passes, or 0 for one serial pass.
 
-    sequence_split: None = SEQUENCE_SPLIT_CHUNKS; 0 = off; L > 0 = segments of L chunks, used only
-    when n_chunks % L == 0 and n_chunks >= 2 L.
+    sequence_split: None = automatic (see SPLIT_TARGET_PROGRAMS; needs n_programs, the serial
+    pass's program count); 0 = off; L > 0 = segments of L chunks, used only when n_chunks % L == 0
+    and n_chunks >= 2 L.
     """
-    L = SEQUENCE_SPLIT_CHUNKS if sequence_split is None else int(sequence_split)
-    return L if L > 0 and n_chunks % L == 0 and n_chunks >= 2 * L else 0
-
-
+    if sequence_split is not None:
+        L = int(sequence_split)
+        return L if L > 0 and n_chunks % L == 0 and n_chunks >= 2 * L else 0
+    if n_programs is None or n_programs >= SPLIT_TARGET_PROGRAMS:
+        return 0
+    needed = -(-SPLIT_TARGET_PROGRAMS // n_programs)
+    valid = [L for L in (1 << e for e in range(n_chunks.bit_length() - 1, -1, -1))
+             if SPLIT_MIN_CHUNKS <= L and n_chunks % L == 0 and n_chunks >= 2 * L]
+    for L in valid:                       # largest first: the fewest segments that reach the target
+        if n_chunks // L >= needed:
+            return L
+    return valid[-1] if valid else 0
 
 
 def saved_state_dtype(dtype):
@@ -193,7 +205,8 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
       chunk_size: 64 (the only supported value).
       interpret: run the kernels in Pallas interpret mode (CPU).
       sequence_split: segment length in chunks for the exact sequence split of the serial state
-        passes (split.py; see split_chunks): None = SEQUENCE_SPLIT_CHUNKS, 0 = one serial pass.
+        passes (split.py; see split_chunks): None = automatic (only when B * H * V / 64 < 256),
+        0 = one serial pass.
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
@@ -227,7 +240,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     else:
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
-    seg = split_chunks(Tp // C, sequence_split)
+    seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v))
     o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, seg, bool(interpret))
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
