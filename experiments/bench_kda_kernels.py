@@ -2,11 +2,12 @@
 
 For each shape B x T x H x K (V = K, bf16 q/k/v/beta, fp32 g; ANCHORS.md recipe: q ~ N(0,1),
 k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)), beta = sigmoid(N(0,1)), lower_bound = -5), it
-times, each jitted on its own on the outputs of the previous one (head-major layouts as in
+times, each jitted on its own on the outputs of the previous one (layouts as in
 pallas_kernels/kda/ops.py):
-  intra_fwd  (chunk factors)          state_fwd (serial state pass, o and the saved states;
-                                      state_fwd_nosave: the forward-only variant, no states)
-  state_bwd  (reverse state pass)     intra_bwd (intra-chunk gradients)
+  intra_fwd       chunk factors (intra_fwd_save: also A and M, as when differentiated)
+  state_fwd       serial state pass, o and the saved states (state_fwd_nosave: forward-only variant)
+  state_bwd       reverse state pass
+  intra_bwd       intra-chunk gradients
 and the whole op (`ops.kda_pallas`) forward and forward+backward (value_and_grad of sum(o * do) w.r.t.
 q, k, v, g, beta), and, unless --nochunked, the XLA chunked op (k3jax.ops.kda_chunked) the same way
 (issue 4's target: pallas >= 5x faster than it). Timing: each callable is compiled, called --warmup
@@ -101,6 +102,10 @@ def time_kernels(B, T, H, K, iters, warmup, seg, interpret=False):
                                           factor_dtype=ops.factor_dtypes(q.dtype)))
     fac = f1(q, k, v, g, beta)
     out["intra_fwd"] = median_ms(f1, q, k, v, g, beta, **kw)
+    f1s = jax.jit(lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                           factor_dtype=ops.factor_dtypes(q.dtype), save_solve=True))
+    *_, A, M = f1s(q, k, v, g, beta)
+    out["intra_fwd_save"] = median_ms(f1s, q, k, v, g, beta, **kw)
     qg, kd, w, u, aqk, gl = fac
     starts, ends = h0, None
     if seg:
@@ -135,11 +140,11 @@ def time_kernels(B, T, H, K, iters, warmup, seg, interpret=False):
     du, dh, _ = f3(fac, do, ends)
     out["state_bwd"] = median_ms(f3, fac, do, ends, **kw)
     f4 = jax.jit(lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret))
-    out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, do, du, h, dh, **kw)
+    out["intra_bwd"] = median_ms(f4, q, k, v, g, beta, do, du, h, dh, w, u, A, M, **kw)
     split_f = out.get("transitions_fwd", 0.0) + out.get("scan_fwd", 0.0)
     split_b = out.get("transitions_bwd", 0.0) + out.get("scan_bwd", 0.0)
     out["kernels_fwd_sum"] = out["intra_fwd"] + split_f + out["state_fwd_nosave"]
-    out["kernels_fwd_bwd_sum"] = (out["intra_fwd"] + split_f + out["state_fwd"] + split_b
+    out["kernels_fwd_bwd_sum"] = (out["intra_fwd_save"] + split_f + out["state_fwd"] + split_b
                                   + out["state_bwd"] + out["intra_bwd"])
     return out
 

@@ -11,8 +11,8 @@ Per chunk with incoming state S, the forward is
   d e^{G_last} = rowsum(S * dS_next).
 The reverse pass (serial over chunks) runs only the dV' / dS recurrence and saves dS_next per chunk
 (as fla's `chunk_bwd_dhu`); the intra kernel (parallel over chunks) reads the saved S and dS_next,
-forms dQg, dW, dKd, dAqk, d e^{G_last}, recomputes the chunk factors and pushes all of it to
-dq, dk, dv, dbeta, dg:
+forms dQg, dW, dKd, dAqk, d e^{G_last}, reads the forward's A, M, W, U (saved) and pushes all of it
+to dq, dk, dv, dbeta, dg:
   dA = dW X^T + dU Y^T,  dX = A^T dW,  dY = A^T dU,  dL = -A^T dA A^T (strictly lower),
   pair scores M_ij = sum_c a_ic b_jc e^{G_ic - G_jc}: with a~ = a e^{G - anc}, b~ = b e^{anc - G},
   da = e^{G-anc} (dM b~), db = e^{anc-G} (dM^T a~), dG_i += a~ (dM b~), dG_j -= b~ (dM^T a~),
@@ -21,7 +21,7 @@ Precision (common.py): the dL = -A^T dA A^T products and the anchored score-tile
 blocks including the diagonal tiles, whose dG terms cancel in the reverse cumsum) use fp32 operands
 at `common.exact_precision`: HIGHEST (IEEE) for fp32 inputs, BF16_BF16_F32_X3 (split-bf16 tensor-core
 dots) for bf16 inputs. dX, dY, dA use `common.mm_precision`: HIGHEST for fp32 inputs, default (TF32
-on GPU) for bf16 inputs. The recomputed factors use the forward's precisions, so A matches.
+on GPU) for bf16 inputs.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dtype):
+                      w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
+                      dtype):
     C = q_ref.shape[0]
     gate = cm.Gate(g_ref[...].astype(F32))
     G, G_last = gate.G, gate.G_last
@@ -116,9 +117,11 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     exact = cm.exact_precision(dtype)
     rows, cols = cm.iotas(C, C)
 
-    # Recompute the chunk factors (forward precision, so A, W, U match the forward's).
-    f = cm.chunk_factors(q, k, v, b, gate, scale=scale, dtype=dtype)
-    A, X, Y, M = f["A"], f["X"], f["Y"], f["M"]
+    # The forward's solve and factors (saved, not recomputed); X, Y are elementwise.
+    A = a_ref[...]
+    M = m_ref[...]
+    X = b * jnp.exp(G) * k
+    Y = b * v
 
     # The state products (St = S^T [V, K] entering the chunk, dSt = dS^T after it):
     # V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;  dAqk = dO V'^T;
@@ -127,7 +130,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dSt = dh_ref[...].astype(F32)
     do = do_ref[...].astype(F32)
     dU = du_ref[...].astype(F32)
-    vp = f["U"] - cm.dot_nt(f["W"], St, p)
+    vp = u_ref[...].astype(F32) - cm.dot_nt(w_ref[...].astype(F32), St, p)
     dqg = cm.dot(do, St, p)
     dW = -cm.dot(dU, St, p)
     dkd = cm.dot(vp, dSt, p)
@@ -189,13 +192,15 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dbeta_ref[...] = dbeta.reshape(C).astype(dbeta_ref.dtype)
 
 
-def intra_bwd(q, k, v, g, beta, do, du, h, dh, *, scale: float, chunk_size: int, interpret: bool):
+def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
+              interpret: bool):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
       (state_bwd);
       h [B, H, NT, V, K] (state_fwd: transposed state entering each chunk); dh [B, H, NT, V, K]
-      (state_bwd: transposed grad of the state after each chunk).
+      (state_bwd: transposed grad of the state after each chunk); w [B, H, T, K], u [B, H, T, V]
+      (intra_fwd, as the state pass used them); A, M [B, H, T, C] fp32 (intra_fwd save_solve).
     Returns (token-major): dq, dk [B, T, H, K] (q's dtype), dv [B, T, H, V] (v's dtype),
       dg [B, T, H, K] fp32, dbeta [B, T, H] fp32.
     """
@@ -208,10 +213,12 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, *, scale: float, chunk_size: int,
     ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
     tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
     ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
+    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
+    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
     kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts],
+        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
         out_specs=[ik, ik, iv, ik, ib],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
@@ -219,4 +226,4 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, *, scale: float, chunk_size: int,
                    jax.ShapeDtypeStruct((B, T, H, K), F32),
                    jax.ShapeDtypeStruct((B, T, H), F32)],
         interpret=interpret, compiler_params=cm.INTRA_PARAMS, name="kda_intra_bwd",
-    )(q, k, v, g, beta, do, du, h, dh)
+    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)

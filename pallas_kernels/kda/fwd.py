@@ -25,7 +25,7 @@ from pallas_kernels.kda.common import F32
 
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *, scale, dtype):
+                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs, scale, dtype):
     gate = cm.Gate(g_ref[...].astype(F32))
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
@@ -37,10 +37,14 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
     w_ref[...] = f["W"].astype(w_ref.dtype)
     u_ref[...] = f["U"].astype(u_ref.dtype)
+    if solve_refs:
+        a_ref, m_ref = solve_refs
+        a_ref[...] = f["A"]
+        m_ref[...] = f["M"]
 
 
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
-              factor_dtype=F32):
+              factor_dtype=F32, save_solve: bool = False):
     """Per-chunk factors, one program per (batch, head, chunk).
 
     Args: q, k [B, T, H, K] (bf16 or fp32); v [B, T, H, V]; g [B, T, H, K] fp32 log-decay (nats);
@@ -49,7 +53,9 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         computed in fp32, rounded once on store; the state kernels upcast on load).
     Returns: qg = scale q e^G [B,H,T,K]; kd = k e^{G_last-G} [B,H,T,K]; w [B,H,T,K]; u [B,H,T,V];
       aqk [B,H,T,C] (row-block c holds the chunk's lower-triangular scaled q.k scores), in
-      factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32.
+      factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32; with save_solve also A = (I + L)^-1 and M (the
+      unweighted strictly lower k.k anchored scores, L = beta M), each [B,H,T,C] fp32 (row block c
+      holds the chunk's matrix), for the backward.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -66,11 +72,15 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     out_shape = [jax.ShapeDtypeStruct((B, H, T, K), fd[0]), jax.ShapeDtypeStruct((B, H, T, K), fd[1]),
                  jax.ShapeDtypeStruct((B, H, T, K), fd[2]), jax.ShapeDtypeStruct((B, H, T, V), fd[3]),
                  jax.ShapeDtypeStruct((B, H, T, C), fd[4]), jax.ShapeDtypeStruct((B, H, NT, K), F32)]
+    out_specs = [tk, tk, tk, tv, ta, tg]
+    if save_solve:
+        out_shape += [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
+        out_specs += [ta, ta]
     kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib],
-        out_specs=[tk, tk, tk, tv, ta, tg],
+        out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=cm.INTRA_PARAMS,
         name="kda_intra_fwd",
     )(q, k, v, g, beta)

@@ -154,18 +154,19 @@ def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpre
 
 
 def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret):
-    # The chunk factors are SAVED, not recomputed (round 1 on the H200: intra_fwd cost ~17x the
-    # state pass; experiments/results/kda_pallas_notes.md).
-    fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                        factor_dtype=factor_dtypes(q.dtype))
+    # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
+    # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
+    *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
+                               interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
+                               save_solve=True)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype)
-    return (o, ht), (q, k, v, g, beta, h0, h, fac)
+    return (o, ht), (q, k, v, g, beta, h0, h, tuple(fac), A, M)
 
 
 def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, res, cts):
-    q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl) = res
+    q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl), A, M = res
     do, dht = cts
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
     if seg_chunks:
@@ -179,7 +180,7 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, res, cts):
     else:
         du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=common.mm_precision(q.dtype),
                                     state_dtype=h.dtype, **kw)
-    dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, scale=scale,
+    dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
 
