@@ -45,6 +45,8 @@ flags.DEFINE_integer("iters", 20, "timed calls per measurement (median reported)
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
 flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for the serial kernels")
+flags.DEFINE_list("state_stages", ["1"], "Triton num_stages values to try for the serial kernels "
+                  "(> 1 pipelines the next chunk's loads; 3 overflowed shared memory in round 1)")
 flags.DEFINE_list("splits", ["auto", "0"], "sequence-split segment lengths in chunks to compare: "
                   "'auto' (ops.split_chunks' rule, what kda_pallas does by default), 0 = one serial "
                   "pass, L > 0 (falls back to 0 unless it divides T / 64 into >= 2 segments)")
@@ -178,14 +180,16 @@ def main(argv):
         configs = []
         for iw in FLAGS.intra_warps:
             for sw in FLAGS.state_warps:
-                for sp in FLAGS.splits:
-                    seg = ops.split_chunks(T // CHUNK, None if sp == "auto" else int(sp), n_prog)
-                    if (int(iw), int(sw), seg) not in configs:
-                        configs.append((int(iw), int(sw), seg))
-        for iw, sw, seg in configs:
+                for st in FLAGS.state_stages:
+                    for sp in FLAGS.splits:
+                        seg = ops.split_chunks(T // CHUNK, None if sp == "auto" else int(sp), n_prog)
+                        if (int(iw), int(sw), int(st), seg) not in configs:
+                            configs.append((int(iw), int(sw), int(st), seg))
+        for iw, sw, st, seg in configs:
             common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=iw, num_stages=1)
-            common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=sw, num_stages=1)
-            row = {"shape": s, "intra_warps": iw, "state_warps": sw, "sequence_split": seg}
+            common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=sw, num_stages=st)
+            row = {"shape": s, "intra_warps": iw, "state_warps": sw, "state_stages": st,
+                   "sequence_split": seg}
             res["rows"].append(row)
             try:
                 row.update(time_kernels(B, T, H, K, FLAGS.iters, FLAGS.warmup, seg, FLAGS.interpret))
