@@ -1,17 +1,25 @@
 """Pallas KDA (Kimi Delta Attention) chunk kernels behind a `jax.custom_vjp`.
 
 Forward: `fwd.intra_fwd` (gate cumsum, anchored row-block score GEMMs, (I+L)^-1, W, U, Aqk; parallel
-over (batch, head, chunk)) then `fwd.state_fwd` (serial fp32 state pass; parallel over (batch, head,
-V-block)). Backward: reuses the chunk factors and per-chunk states saved by the forward (intra_fwd
-is the expensive kernel, so it is not re-run); `bwd.state_bwd` (reverse serial pass) then
+over (batch, head, chunk)) then the state pass: `fwd.state_fwd` (serial fp32 state pass; parallel
+over (batch, head, V-block)), or, when that leaves the GPU under-filled, the exact sequence split
+of `split.py` (per-segment transitions, a short scan over segments, then `fwd.state_fwd` per
+segment in parallel). A forward-only call writes no per-chunk states. Backward: reuses what the
+differentiated forward saved (chunk factors, A and M, per-chunk states; nothing is recomputed);
+`bwd.state_bwd` (reverse serial pass, split the same way when the forward's is) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
 give dq, dk, dv, dg, dbeta and dh0. Every gradient is computed by Pallas kernels; the kernels read
 and write the user's token-major [B, T, H, .] tensors directly (BlockSpecs), so the only XLA work
-is zero padding / slicing when T is not a multiple of 64 or K, V not a power of two.
+is zero padding / slicing when T is not a multiple of 64 or K, V not a power of two, and slicing
+the split's transition outputs.
+
+Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T tokens:
+qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
+fp32 (T x 128 x 4), the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
-Triton backend (the default for pallas_call on CUDA; `common.COMPILER_PARAMS` sets num_stages=1);
-`interpret=True` runs the same kernel bodies on CPU. Not run on TPU.
+Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
+num_warps and num_stages=1); `interpret=True` runs the same kernel bodies on CPU. Not run on TPU.
 
 Source: Kimi Linear (arXiv 2510.26692) Eq. 1, chunk form as in fla `chunk_kda(safe_gate=True)`;
 see ANCHORS.md section 1. This package never imports k3jax.
