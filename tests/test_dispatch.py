@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import dispatch as D
 
@@ -151,6 +152,12 @@ def _fake_library_modules(monkeypatch, *, tokamax=True, jla=True, jla_supports=T
         leaf = types.ModuleType("jla.ops.mosaic_gpu.ragged_dot")
         leaf.supports = lambda lhs, rhs, gs: jla_supports
         leaf.ragged_dot = lambda lhs, rhs, gs: jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+        leaf._config_for = lambda config, k, n: (k, n)
+        # the transposed-rhs kernel (d_lhs) and the ragged-contraction kernel (d_rhs) of jla 0.1.0
+        leaf._ragged_dot_kernel = lambda lhs, rhs, gs, *, transpose_rhs, cfg: jax.lax.ragged_dot(
+            lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, gs).astype(lhs.dtype)
+        leaf.transposed_ragged_dot = lambda lhs, d_out, gs: jax.lax.ragged_dot_general(
+            lhs, d_out, gs, D._RAGGED_CONTRACTING_DIMS, preferred_element_type=jnp.float32)
         names = ["jla", "jla.ops", "jla.ops.mosaic_gpu"]
         mods = [types.ModuleType(n) for n in names]
         mods[0].ops, mods[1].mosaic_gpu, mods[2].ragged_dot = mods[1], mods[2], leaf
@@ -164,7 +171,9 @@ def _fake_library_modules(monkeypatch, *, tokamax=True, jla=True, jla_supports=T
 @pytest.mark.parametrize(
     "platform,libs,dtype,m,expected",
     [
-        (_H200, dict(tokamax=True, jla=True), jnp.bfloat16, 256, "tokamax"),
+        (_H200, dict(tokamax=True, jla=True), jnp.bfloat16, 256, "jla"),
+        (_H200, dict(tokamax=True, jla=False), jnp.bfloat16, 256, "tokamax"),
+        (_H200, dict(tokamax=True, jla=True, jla_supports=False), jnp.bfloat16, 256, "tokamax"),
         (_H200, dict(tokamax=False, jla=True), jnp.bfloat16, 256, "jla"),
         (_H200, dict(tokamax=False, jla=True, jla_supports=False), jnp.bfloat16, 256, "xla"),
         (_H200, dict(tokamax=False, jla=False), jnp.bfloat16, 256, "xla"),
@@ -183,7 +192,7 @@ def test_gpu_default_is_the_library_kernel_only_where_supported(monkeypatch, pla
     assert D.default_grouped_matmul(lhs, rhs, sizes) == expected
     # without operands: the platform + installed libraries decide
     platform_ok = platform == _H200 and (libs["tokamax"] or libs["jla"])
-    assert D.default_grouped_matmul() == (("tokamax" if libs["tokamax"] else "jla") if platform_ok else "xla")
+    assert D.default_grouped_matmul() == (("jla" if libs["jla"] else "tokamax") if platform_ok else "xla")
 
 
 @pytest.mark.parametrize("name", ["tokamax", "jla"])
@@ -204,7 +213,7 @@ def test_library_adapters_match_xla_forward_and_gradients_with_fp32_cotangent(mo
         y, vjp = jax.vjp(f, lhs, rhs)
         return y, vjp(cot)
 
-    y, (d_lhs, d_rhs) = run(None if name == "tokamax" else name)
+    y, (d_lhs, d_rhs) = run(None if name == "jla" else name)
     y_x, (d_lhs_x, d_rhs_x) = run("xla")
     assert y.dtype == jnp.float32 and d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
     assert float(jnp.abs(y[200:]).max()) == 0.0 and float(jnp.abs(d_lhs[200:]).max()) == 0.0
@@ -213,6 +222,23 @@ def test_library_adapters_match_xla_forward_and_gradients_with_fp32_cotangent(mo
     assert rel(d_lhs, d_lhs_x) < 1e-2 and rel(d_rhs, d_rhs_x) < 1e-2
     if name == "tokamax":  # forward, d_lhs, d_rhs through tokamax, all with bf16 operands
         assert calls == [("mosaic_gpu", "bfloat16", "bfloat16")] * 3
+
+
+def test_match_varying_axes_marks_library_cotangents_inside_shard_map():
+    """Library kernels return arrays without manual-axis types; a custom VJP under shard_map must
+    return cotangents varying over the axes its primals vary over (the H200 moe_ep failure)."""
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+
+    def body(w):
+        fresh = jnp.zeros(w.shape, w.dtype)  # like a kernel output: varies over nothing
+        assert jax.typeof(fresh).manual_axis_type.varying == frozenset()
+        marked = D._match_varying_axes(fresh, w)
+        assert jax.typeof(marked).manual_axis_type.varying == frozenset({"expert"})
+        assert D._match_varying_axes(marked, w) is marked  # nothing missing: unchanged
+        return marked + w
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))(jnp.ones((4, 3)))
+    np.testing.assert_array_equal(out, np.ones((4, 3)))
 
 
 def test_permute_sorts_by_expert_stably_and_combine_inverts():
