@@ -17,11 +17,11 @@ to dq, dk, dv, dbeta, dg:
   pair scores M_ij = sum_c a_ic b_jc e^{G_ic - G_jc}: with a~ = a e^{G - anc}, b~ = b e^{anc - G},
   da = e^{G-anc} (dM b~), db = e^{anc-G} (dM^T a~), dG_i += a~ (dM b~), dG_j -= b~ (dM^T a~),
   and dg = reverse cumsum of dG within the chunk (plus dG_last on every row).
-Precision (common.py): the dL = -A^T dA A^T products and the anchored score-tile backward dots (row
-blocks including the diagonal tiles, whose dG terms cancel in the reverse cumsum) use fp32 operands
-at `common.exact_precision`: HIGHEST (IEEE) for fp32 inputs, BF16_BF16_F32_X3 (split-bf16 tensor-core
-dots) for bf16 inputs. dX, dY, dA use `common.mm_precision`: HIGHEST for fp32 inputs, default (TF32
-on GPU) for bf16 inputs.
+Precision (common.py): the dL = -A^T dA A^T products and the diagonal-tile part of the anchored
+score backward (whose dG terms cancel in the reverse cumsum; b~ up to e^80) use fp32 operands at
+`common.exact_precision`: HIGHEST (IEEE) for fp32 inputs, BF16_BF16_F32_X3 (split-bf16 tensor-core
+dots) for bf16 inputs. The off-diagonal score tiles (exponents <= 0), dX, dY, dA use
+`common.mm_precision`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs.
 """
 from __future__ import annotations
 
@@ -162,23 +162,31 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dM = b * dL
     dAqk = jnp.where(rows >= cols, daqk, 0.0)
 
-    # Anchored score tiles, per row block r (rows of block r, anchor anc_r):
-    # S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}:
+    # Anchored score tiles: S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}:
     # da = e^{G - anc} (dS b~), db = e^{anc - G} (dS^T a~), dG += a~ (dS b~), dG -= b~ (dS^T a~).
-    kt = k * gate.ea                                  # a~ of M (rows in their own block's anchor)
+    # Diagonal 16x16 tiles (all row blocks at once, each with its own anchor; b~ up to e^{16|lb|}):
+    # one dot per side at exact precision. Off-diagonal tiles (row block r, anchor anc_r, b~ <= 1):
+    # one dot per side and row block at mm precision (round 1's split, which the GPU tests passed).
+    kt = k * gate.ea                                  # a~ of M
     qt = scale * q * gate.ea                          # a~ of Aqk
-    sa_m = sa_q = sb = None
-    for r in range(gate.ns):
+    rb, cb = lax.div(rows, jnp.int32(cm.BT)), lax.div(cols, jnp.int32(cm.BT))
+    ebd = gate.eb_own()                               # e^{anc - G} with each row's own anchor
+    kbd = k * ebd
+    dm_d = jnp.where(rb == cb, dM, 0.0)
+    dq_d = jnp.where(rb == cb, dAqk, 0.0)
+    sa_m = cm.dot(dm_d, kbd, exact)
+    sa_q = cm.dot(dq_d, kbd, exact)
+    sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
+    dm_o = jnp.where(rb > cb, dM, 0.0)
+    dq_o = jnp.where(rb > cb, dAqk, 0.0)
+    for r in range(1, gate.ns):
         eb = gate.eb(r)
-        kb = k * eb                                   # b~ (k is the b operand of both M and Aqk)
-        dm_r = jnp.where(gate.rb == r, dM, 0.0)
-        dq_r = jnp.where(gate.rb == r, dAqk, 0.0)
-        am = cm.dot(dm_r, kb, exact)
-        aq = cm.dot(dq_r, kb, exact)
-        bb = eb * (cm.dot_tn(dm_r, kt, exact) + cm.dot_tn(dq_r, qt, exact))
-        sa_m = am if sa_m is None else sa_m + am
-        sa_q = aq if sa_q is None else sa_q + aq
-        sb = bb if sb is None else sb + bb
+        kb = k * eb
+        dm_r = jnp.where(gate.rb == r, dm_o, 0.0)
+        dq_r = jnp.where(gate.rb == r, dq_o, 0.0)
+        sa_m = sa_m + cm.dot(dm_r, kb, p)
+        sa_q = sa_q + cm.dot(dq_r, kb, p)
+        sb = sb + eb * (cm.dot_tn(dm_r, kt, p) + cm.dot_tn(dq_r, qt, p))
     dk = dk + gate.ea * sa_m + sb
     dq = dq + scale * gate.ea * sa_q
     dG = dG + kt * sa_m + qt * sa_q - k * sb

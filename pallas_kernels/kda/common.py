@@ -98,8 +98,8 @@ class Gate:
     """Chunk gate quantities from g [C, K] fp32 (nats).
 
     G: inclusive cumsum [C, K]; G_last: [1, K]; anc: list of the ns = C / 16 row-block anchors
-    [1, K] (anc[0] = 0); rb: [C, 1] row-block index; ea = exp(G - anchor of the row's block) [C, K]
-    (<= 1).
+    [1, K] (anc[0] = 0); anc_rows [C, K]: each row's block anchor; rb: [C, 1] row-block index;
+    ea = exp(G - anchor of the row's block) [C, K] (<= 1).
     """
 
     def __init__(self, g):
@@ -113,7 +113,12 @@ class Gate:
         anc_rows = jnp.zeros_like(self.G)
         for r in range(1, self.ns):
             anc_rows = jnp.where(self.rb == r, self.anc[r], anc_rows)
+        self.anc_rows = anc_rows
         self.ea = jnp.exp(self.G - anc_rows)
+
+    def eb_own(self):
+        """exp(anc - G) with each row's own block anchor [C, K]; <= e^{16|lb|} (diagonal tiles)."""
+        return jnp.exp(self.anc_rows - self.G)
 
     def eb(self, r: int):
         """exp(anc_r - G) on rows of blocks <= r, 1 on later rows (unused) [C, K]; <= e^{16|lb|}."""
