@@ -35,6 +35,8 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+from jax import lax
+import numpy as np
 
 from pallas_kernels.kda import bwd, common, fwd, ops, split
 
@@ -47,6 +49,10 @@ flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intr
 flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for the serial kernels")
 flags.DEFINE_list("state_stages", ["1"], "Triton num_stages values to try for the serial kernels "
                   "(> 1 pipelines the next chunk's loads; 3 overflowed shared memory in round 1)")
+flags.DEFINE_list("exact_bf16", ["bf16x3"], "precision of the error-sensitive dots for bf16 inputs "
+                  "(common.EXACT_BF16): bf16x3 (default), tf32 (one TF32 pass), tf32x3")
+flags.DEFINE_string("check_shape", "1x1024x2x128", "BxTxHxK of the accuracy check run for every "
+                    "config (RMS ratios of o and the gradients vs the fp32 recurrence); '' = none")
 flags.DEFINE_list("splits", ["auto", "0"], "sequence-split segment lengths in chunks to compare: "
                   "'auto' (ops.split_chunks' rule, what kda_pallas does by default), 0 = one serial "
                   "pass, L > 0 (falls back to 0 unless it divides T / 64 into >= 2 segments)")
@@ -58,6 +64,41 @@ flags.DEFINE_bool("interpret", False, "Pallas interpret mode (a CPU smoke run of
 
 LOWER_BOUND = -5.0
 CHUNK = ops.CHUNK_SIZE
+EXACT = {"bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "tf32": lax.Precision.DEFAULT,
+         "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+_REFERENCE = {}
+
+
+def rms_ratio(ref, out) -> float:
+    """fla's error metric RMS(ref - out) / RMS(ref), in fp64."""
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    return float(np.sqrt(np.mean((ref - out) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
+
+
+def check_errors(shape: str, seg_rule, interpret: bool) -> dict:
+    """RMS ratios of o, dq, dk, dv, dg, dbeta of kda_pallas vs the fp32 recurrence (k3jax) on one
+    bf16 input set (ANCHORS recipe, loss sum(o * do)); the current compiler/precision settings."""
+    from k3jax.ops.kda_reference import kda_recurrent
+    B, T, H, K = (int(x) for x in shape.split("x"))
+    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
+    names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+
+    def run(f):
+        def loss(*a):
+            o = f(*a)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+        (_, o), gr = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+            q, k, v, g, beta)
+        return (o,) + tuple(gr)
+
+    if shape not in _REFERENCE:
+        _REFERENCE[shape] = run(lambda *a: kda_recurrent(*(x.astype(jnp.float32) for x in a))[0])
+    seg = ops.split_chunks(T // CHUNK, seg_rule, B * H * (K // min(K, 64)))
+    out = run(lambda *a: ops.kda_pallas(*a, lower_bound=LOWER_BOUND, interpret=interpret,
+                                        sequence_split=seg)[0])
+    return {"check_shape": shape, "check_split": seg,
+            **{n: rms_ratio(r, x) for n, r, x in zip(names, _REFERENCE[shape], out)}}
 
 
 def median_ms(f, *args, iters: int, warmup: int) -> float:
@@ -181,15 +222,19 @@ def main(argv):
         for iw in FLAGS.intra_warps:
             for sw in FLAGS.state_warps:
                 for st in FLAGS.state_stages:
-                    for sp in FLAGS.splits:
-                        seg = ops.split_chunks(T // CHUNK, None if sp == "auto" else int(sp), n_prog)
-                        if (int(iw), int(sw), int(st), seg) not in configs:
-                            configs.append((int(iw), int(sw), int(st), seg))
-        for iw, sw, st, seg in configs:
+                    for ex in FLAGS.exact_bf16:
+                        for sp in FLAGS.splits:
+                            rule = None if sp == "auto" else int(sp)
+                            seg = ops.split_chunks(T // CHUNK, rule, n_prog)
+                            cfg = (int(iw), int(sw), int(st), ex, seg)
+                            if cfg not in [c[:5] for c in configs]:
+                                configs.append(cfg + (rule,))
+        for iw, sw, st, ex, seg, rule in configs:
             common.INTRA_PARAMS = common.pltriton.CompilerParams(num_warps=iw, num_stages=1)
             common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=sw, num_stages=st)
+            common.EXACT_BF16 = EXACT[ex]
             row = {"shape": s, "intra_warps": iw, "state_warps": sw, "state_stages": st,
-                   "sequence_split": seg}
+                   "exact_bf16": ex, "sequence_split": seg}
             res["rows"].append(row)
             try:
                 row.update(time_kernels(B, T, H, K, FLAGS.iters, FLAGS.warmup, seg, FLAGS.interpret))
@@ -199,6 +244,9 @@ def main(argv):
                                            interpret=FLAGS.interpret, sequence_split=seg)
                 row.update(time_op("pallas", lambda *a: pallas(*a)[0], B, T, H, K,
                                    FLAGS.iters, FLAGS.warmup))
+                save()
+                if FLAGS.check_shape:
+                    row["errors"] = check_errors(FLAGS.check_shape, rule, FLAGS.interpret)
             except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             save()

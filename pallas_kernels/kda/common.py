@@ -48,16 +48,24 @@ def mm_precision(dtype):
     return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else None
 
 
-def exact_precision(dtype):
-    """Dot precision for the error-sensitive dots: the (I + L)^-1 solve and its gradient, and the
-    backward of the anchored score tiles (whose dG terms cancel in the reverse cumsum).
+# Precision of the error-sensitive dots for bf16 inputs (see exact_precision). A module attribute
+# so that experiments/bench_kda_kernels.py can time alternatives (lax.Precision.DEFAULT = one TF32
+# pass; lax.DotAlgorithmPreset.TF32_TF32_F32_X3, GPU only); the tests cover the default.
+EXACT_BF16 = BF16X3
 
-    fp32 inputs: Precision.HIGHEST (IEEE fp32). bf16 inputs: DotAlgorithmPreset.BF16_BF16_F32_X3
-    (three bf16 tensor-core dots on split operands, ~2^-16 relative, fp32 accumulate; fla 0.6 uses
-    bf16x3 for the backward diagonal tiles). XLA:CPU (interpret mode) runs this preset as an fp32
-    dot, so the CPU tests cannot see its rounding; the GPU tests can.
+
+def exact_precision(dtype):
+    """Dot precision for the error-sensitive dots: the (I + L)^-1 solve, dL = -A^T dA A^T, the
+    diagonal tiles of the score backward (whose dG terms cancel in the reverse cumsum) and the
+    sequence split's transitions.
+
+    fp32 inputs: Precision.HIGHEST (IEEE fp32). bf16 inputs: EXACT_BF16, by default
+    DotAlgorithmPreset.BF16_BF16_F32_X3 (three bf16 tensor-core dots on split operands, ~2^-16
+    relative, fp32 accumulate; fla 0.6 uses bf16x3 for the backward diagonal tiles). XLA:CPU
+    (interpret mode) runs this preset as an fp32 dot, so the CPU tests cannot see its rounding; the
+    GPU tests can.
     """
-    return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else BF16X3
+    return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else EXACT_BF16
 
 
 def dot(a, b, precision=None):
