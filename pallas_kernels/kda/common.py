@@ -55,9 +55,9 @@ EXACT_BF16 = BF16X3
 
 
 def exact_precision(dtype):
-    """Dot precision for the error-sensitive dots: the (I + L)^-1 solve, dL = -A^T dA A^T, the
-    diagonal tiles of the score backward (whose dG terms cancel in the reverse cumsum) and the
-    sequence split's transitions.
+    """Dot precision for the error-sensitive dots: dL = -A^T dA A^T, the diagonal tiles of the
+    score backward (whose dG terms cancel in the reverse cumsum) and the sequence split's
+    transitions and segment scan.
 
     fp32 inputs: Precision.HIGHEST (IEEE fp32). bf16 inputs: EXACT_BF16, by default
     DotAlgorithmPreset.BF16_BF16_F32_X3 (three bf16 tensor-core dots on split operands, ~2^-16
@@ -183,10 +183,14 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype):
     """
     C = k.shape[0]
     rows, cols = iotas(C, C)
-    exact = exact_precision(dtype)
     prec = mm_precision(dtype)
     M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
-    A = unit_lower_inverse(beta * M, exact)
+    # The solve runs at mm precision (TF32 for bf16 inputs): A only enters W = A X, U = A Y (TF32
+    # dots themselves) and the backward. Emulated on CPU (TF32-rounded operands, 64x64 L from the
+    # ANCHORS recipe, 20 draws): A's RMS error 1.4e-6, W's 2.03e-4 with either a TF32 or an exact
+    # solve; with keys correlated 0.9 and gates ~0: A 5.4e-4, W 7.6e-4 vs 5.1e-4. bf16 inputs
+    # already cost ~3e-3 (fla tolerance 5e-3).
+    A = unit_lower_inverse(beta * M, prec)
     X = beta * jnp.exp(gate.G) * k
     Y = beta * v
     Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
