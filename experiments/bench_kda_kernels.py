@@ -67,6 +67,7 @@ CHUNK = ops.CHUNK_SIZE
 EXACT = {"bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "tf32": lax.Precision.DEFAULT,
          "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 _REFERENCE = {}
+_CHECKED = {}
 
 
 def rms_ratio(ref, out) -> float:
@@ -78,7 +79,8 @@ def rms_ratio(ref, out) -> float:
 
 def check_errors(shape: str, seg_rule, interpret: bool) -> dict:
     """RMS ratios of o, dq, dk, dv, dg, dbeta of kda_pallas vs the fp32 recurrence (k3jax) on one
-    bf16 input set (ANCHORS recipe, loss sum(o * do)); the current compiler/precision settings."""
+    bf16 input set (ANCHORS recipe, loss sum(o * do)) with the current precision settings; computed
+    once per (shape, split, common.EXACT_BF16)."""
     from k3jax.ops.kda_reference import kda_recurrent
     B, T, H, K = (int(x) for x in shape.split("x"))
     q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
@@ -95,10 +97,13 @@ def check_errors(shape: str, seg_rule, interpret: bool) -> dict:
     if shape not in _REFERENCE:
         _REFERENCE[shape] = run(lambda *a: kda_recurrent(*(x.astype(jnp.float32) for x in a))[0])
     seg = ops.split_chunks(T // CHUNK, seg_rule, B * H * (K // min(K, 64)))
-    out = run(lambda *a: ops.kda_pallas(*a, lower_bound=LOWER_BOUND, interpret=interpret,
-                                        sequence_split=seg)[0])
-    return {"check_shape": shape, "check_split": seg,
-            **{n: rms_ratio(r, x) for n, r, x in zip(names, _REFERENCE[shape], out)}}
+    key = (shape, seg, str(common.EXACT_BF16))        # numerics do not depend on num_warps/stages
+    if key not in _CHECKED:
+        out = run(lambda *a: ops.kda_pallas(*a, lower_bound=LOWER_BOUND, interpret=interpret,
+                                            sequence_split=seg)[0])
+        _CHECKED[key] = {"check_shape": shape, "check_split": seg,
+                         **{n: rms_ratio(r, x) for n, r, x in zip(names, _REFERENCE[shape], out)}}
+    return _CHECKED[key]
 
 
 def median_ms(f, *args, iters: int, warmup: int) -> float:
