@@ -133,7 +133,7 @@ def kda(
         from pallas_kernels.kda import ops as pallas_kda
         ok, why = pallas_kda.supported(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,
                                        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                       initial_state=initial_state)
+                                       initial_state=initial_state, interpret=interpret)
         if not ok:
             raise ValueError(f"{implementation=} cannot run this call: {why}")
         return pallas_kda.kda_pallas(q, k, v, g, beta, lower_bound=lower_bound, scale=scale,

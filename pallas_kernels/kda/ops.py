@@ -36,6 +36,10 @@ from pallas_kernels.kda import bwd, common, fwd, split
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
 MAX_HEAD_DIM = 128         # largest K, V the tests cover
+# Largest K, V for compiled fp32 calls: fp32 at K = V = 32 passed the H200 tests (forward and
+# backward); at K = V = 128 the backward failed to launch (shared memory 245760 > 232448 bytes,
+# 2026-11-30); 64 was not run.
+MAX_FP32_HEAD_DIM = 32
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Sequence split of the serial state passes (split.py). Automatic rule: split only when the serial
 # pass has fewer than SPLIT_TARGET_PROGRAMS programs (B * H * V-blocks; ~2 per SM on an H200's 132),
@@ -92,11 +96,12 @@ def factor_dtypes(dtype) -> tuple:
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
-              chunk_size=CHUNK_SIZE, initial_state=None) -> tuple[bool, str]:
+              chunk_size=CHUNK_SIZE, initial_state=None, interpret=False) -> tuple[bool, str]:
     """Whether `kda_pallas` covers this call (shapes, dtypes, options), and why not if it does not.
 
     Args: as `kda_pallas` (arrays or ShapeDtypeStructs), plus the dispatch options segment_ids and
-      use_qk_l2norm, which the kernel does not implement.
+      use_qk_l2norm, which the kernel does not implement. Compiled (interpret=False) fp32 calls are
+      covered only up to K, V <= MAX_FP32_HEAD_DIM (see there).
     Returns: (True, "") or (False, reason).
     """
     if segment_ids is not None:
@@ -121,6 +126,10 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return False, f"q, k, v must share one dtype in (bfloat16, float32); got {dtypes}"
+    if not interpret and jnp.dtype(q.dtype) == jnp.dtype(jnp.float32) and max(K, V) > MAX_FP32_HEAD_DIM:
+        return False, (f"float32 inputs with K={K}, V={V} above {MAX_FP32_HEAD_DIM} are not supported compiled: "
+                       "the backward exceeded the H200's shared memory at K = V = 128 (245760 > 232448 bytes, "
+                       "2026-11-30); use bfloat16 inputs or interpret=True")
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         return False, f"expected initial_state [B, H, K, V]; got {initial_state.shape=}"
     return True, ""
@@ -223,7 +232,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`.
     """
-    ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size,
+    ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size, interpret=interpret,
                         initial_state=initial_state)
     if not ok:
         raise ValueError(why)
