@@ -27,6 +27,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments.runtime import median_ms
+
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_gemm", "Output path prefix (.json, .md).")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed runs per GEMM measurement (median reported).")
 _M = flags.DEFINE_integer("m", 32768, "Routed rows.")
@@ -63,18 +65,6 @@ for name, gs in groups.items():
                fwdbwd_ms=do_bench(fb, warmup=25, rep=100, return_mode="median"))
     print("JSON" + json.dumps(row), flush=True)
 """
-
-
-def _median_ms(fn, *args, iters):
-    import jax
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
 
 
 def _rel(a, b):
@@ -166,8 +156,8 @@ def _gemm_rows(results, lhs, rhs, groups):
                         ref = (out, d_lhs, d_rhs)
                     if ref is not None:
                         row.update(err_out=_rel(out, ref[0]), err_dlhs=_rel(d_lhs, ref[1]), err_drhs=_rel(d_rhs, ref[2]))
-                    row["fwd_ms"] = _median_ms(jax.jit(fn), lhs, rhs, iters=_ITERS.value)
-                    row["fwdbwd_ms"] = _median_ms(fwd_bwd, lhs, rhs, iters=_ITERS.value)
+                    row["fwd_ms"] = median_ms(jax.jit(fn), lhs, rhs, iters=_ITERS.value)
+                    row["fwdbwd_ms"] = median_ms(fwd_bwd, lhs, rhs, iters=_ITERS.value)
                     row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwdbwd_tflops=3 * flops / row["fwdbwd_ms"] / 1e9)
                 except Exception as ex:  # noqa: BLE001 -- one failing implementation must not hide the rest
                     row["error"] = repr(ex)[:400]
@@ -222,7 +212,7 @@ def _layer_rows(results):
                 return jnp.vdot(y.astype(jnp.float32), cot.astype(jnp.float32)) + aux["loss"]
 
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-            ms = _median_ms(step, params, x, iters=_LAYER_ITERS.value)
+            ms = median_ms(step, params, x, iters=_LAYER_ITERS.value)
             row.update(fwdbwd_ms=ms, tokens_per_s=tokens / ms * 1e3, tflops=flops / ms / 1e9,
                        pct_dense=100 * flops / ms / 1e9 / results["dense_tflops"])
         except Exception as ex:  # noqa: BLE001
@@ -244,7 +234,7 @@ def main(argv):
     lhs = jax.random.normal(kx, (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(kw, (e, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     flops = 2 * m * k * n
-    dense = _median_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0], iters=_ITERS.value)
+    dense = median_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0], iters=_ITERS.value)
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": jax.devices()[0].device_kind,
                "versions": _versions(), "shape": dict(M=m, K=k, N=n, experts=e),
                "skew_max_over_mean": float(groups["skewed"].max() / groups["skewed"].mean()),

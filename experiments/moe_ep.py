@@ -21,6 +21,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments.runtime import median_ms
+
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_ep", "Output path prefix (.json, .md).")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per call (batch x T).")
 _BATCH = flags.DEFINE_integer("batch", 16, "Sequences per call; must divide by the device count.")
@@ -33,18 +35,6 @@ _IMPL = flags.DEFINE_string("dispatch_implementation", None, "Grouped matmul (No
 _DATA = flags.DEFINE_integer("data", 1, "Size of the data axis; the expert axis gets the rest of the devices.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per measurement (median reported).")
 _TOL = flags.DEFINE_float("tol", 2e-2, "Max relative RMS error of EP vs 1 device (output, loss, bias, grads).")
-
-
-def _median_ms(fn, *args, iters):
-    import jax
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
 
 
 def _rel(a, b):
@@ -130,8 +120,8 @@ def main(argv):
         print(f"  {name:24s} {err:.2e}", flush=True)
 
     tokens = batch * seq
-    ms_1 = _median_ms(step_ref, params_ref, x, iters=_ITERS.value)
-    ms_n = _median_ms(step_ep, params_ep, x_ep, iters=_ITERS.value)
+    ms_1 = median_ms(step_ref, params_ref, x, iters=_ITERS.value)
+    ms_n = median_ms(step_ep, params_ep, x_ep, iters=_ITERS.value)
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": devices[0].device_kind,
         "num_devices": n_dev, "mesh": dict(mesh.shape), "versions": _versions(),

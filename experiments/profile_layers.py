@@ -27,6 +27,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from experiments.runtime import median_ms
 from k3jax.models import lm as lm_lib
 from k3jax.train import step as step_lib
 from k3jax.train.config import run_config_from_dict
@@ -38,17 +39,11 @@ _OUT = flags.DEFINE_string("out", "", "Output prefix (.json, .md); '' = print on
 
 
 def _median_ms(fn, *args) -> tuple[float, float]:
+    """(median ms after --warmup calls, seconds of the first call, i.e. compilation + one run)."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     compile_s = time.perf_counter() - t0
-    for _ in range(_WARMUP.value):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(_ITERS.value):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3, compile_s
+    return median_ms(fn, *args, iters=_ITERS.value, warmup=_WARMUP.value), compile_s
 
 
 def _time_module(module, x, call):

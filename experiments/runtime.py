@@ -46,6 +46,19 @@ class CompileCounter:
         return out
 
 
+def median_ms(fn, *args, iters: int, warmup: int = 3) -> float:
+    """Median wall time in ms of ``fn(*args)`` over ``iters`` calls, each waited for with
+    ``jax.block_until_ready``, after ``warmup`` untimed calls (the first compiles)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
 def enable_compilation_cache(cache_dir: str) -> None:
     """Turn on JAX's persistent compilation cache in `cache_dir` for every executable (no size or
     compile-time threshold), before the first compilation."""
