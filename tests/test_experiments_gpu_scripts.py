@@ -77,27 +77,39 @@ def test_gpu_configs_are_matched():
     assert 64 * 1024 <= tokens <= 256 * 1024
 
 
+_MOE_BALANCE_CHECKS = """
+import json, os, sys
+from experiments import moe_balance
+assert moe_balance.run_order(["a", "b"], [0, 1], "seed_major") == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+assert moe_balance.run_order(["a", "b"], [0, 1], "method_major") == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+walls = {"a": [30.0, 5.0], "b": [40.0]}
+assert moe_balance.expected_run_seconds("a", walls) == 5.0       # cached executables
+assert moe_balance.expected_run_seconds("c", walls) == 40.0      # a first run compiles
+assert moe_balance.expected_run_seconds("c", {}) == 0.0
+run = {"curve_steps": [10, 20], "max_vio_curve": [1.0, 0.1], "val_loss": 2.5, "max_vio_after_warmup": 0.1,
+       "max_vio_global": 0.05, "cv_after_warmup": 0.2, "dropped_fraction_after_warmup": 0.0,
+       "dead_experts_after_warmup": 0.0, "diverted_fraction_after_warmup": 0.0, "tokens_per_s": 1000.0,
+       "compile": {"backend_compile_s": 12.5}}
+meta = {"date": "d", "device": "cpu", "num_experts": 4, "top_k": 2, "steps": 20, "seeds": ["0", "1"],
+        "warmup_frac": 0.25, "skipped": [("b", 1)], "time_budget_s": 100.0}
+stem = sys.argv[1]
+moe_balance._write({"a": [run, dict(run, val_loss=2.7, compile={"backend_compile_s": 0.5})]}, meta, stem)
+md = open(stem + ".md").read()
+assert "| a | 2 | 2.6000 \u00b1 0.1000 | 0.100 \u00b1 0.000 |" in md and "12.5 / 0.5" in md, md
+assert "b seed 1" in md
+assert json.load(open(stem + ".json"))["results"]["a"][1]["val_loss"] == 2.7
+assert os.path.getsize(stem + ".png") > 0
+"""
+
+
 def test_moe_balance_run_order_budget_and_outputs(tmp_path):
-    from experiments import moe_balance
-    assert moe_balance.run_order(["a", "b"], [0, 1], "seed_major") == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
-    assert moe_balance.run_order(["a", "b"], [0, 1], "method_major") == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
-    walls = {"a": [30.0, 5.0], "b": [40.0]}
-    assert moe_balance.expected_run_seconds("a", walls) == 5.0       # cached executables
-    assert moe_balance.expected_run_seconds("c", walls) == 40.0      # a first run compiles
-    assert moe_balance.expected_run_seconds("c", {}) == 0.0
-    run = {"curve_steps": [10, 20], "max_vio_curve": [1.0, 0.1], "val_loss": 2.5, "max_vio_after_warmup": 0.1,
-           "max_vio_global": 0.05, "cv_after_warmup": 0.2, "dropped_fraction_after_warmup": 0.0,
-           "dead_experts_after_warmup": 0.0, "diverted_fraction_after_warmup": 0.0, "tokens_per_s": 1000.0,
-           "compile": {"backend_compile_s": 12.5}}
-    meta = {"date": "d", "device": "cpu", "num_experts": 4, "top_k": 2, "steps": 20, "seeds": ["0", "1"],
-            "warmup_frac": 0.25, "skipped": [("b", 1)], "time_budget_s": 100.0}
-    stem = str(tmp_path / "mb")
-    moe_balance._write({"a": [run, dict(run, val_loss=2.7, compile={"backend_compile_s": 0.5})]}, meta, stem)
-    md = open(stem + ".md").read()
-    assert "| a | 2 | 2.6000 ± 0.1000 | 0.100 ± 0.000 |" in md and "12.5 / 0.5" in md
-    assert "b seed 1" in md
-    assert json.load(open(stem + ".json"))["results"]["a"][1]["val_loss"] == 2.7
-    assert os.path.getsize(stem + ".png") > 0
+    """Run order, budget estimate and the md/json/png of moe_balance, in a subprocess: experiment scripts
+    define absl flags at import (moe_balance and depth_residuals both define --seeds), so importing both
+    into one pytest worker raises DuplicateFlagError."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MOE_BALANCE_CHECKS, str(tmp_path / "mb")], capture_output=True,
+                          text=True, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_compile_counter_sees_persistent_cache_hit(tmp_path):
