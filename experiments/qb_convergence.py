@@ -43,18 +43,23 @@ from absl import app, flags
 
 from k3jax.ops import routing as R
 
-_OUT = flags.DEFINE_string("out", "experiments/results/qb_convergence", "output path prefix (.json/.md/.png)")
-_D = flags.DEFINE_integer("d", 128, "router input dimension d")
-_E = flags.DEFINE_integer("num_experts", 32, "experts E")
-_K = flags.DEFINE_integer("top_k", 4, "experts per token k")
-_SCALE = flags.DEFINE_float("scale", 1.5, "logit scale (peakedness of the softmax router)")
-_POP = flags.DEFINE_float("popularity", 1.0, "|mu|: std of the per-expert mean logit before scale")
-_N = flags.DEFINE_integer("tokens", 16384, "tokens per batch of parts (1), (3), (4)")
-_STEPS = flags.DEFINE_integer("steps", 40, "batches per stream")
-_WARMUP = flags.DEFINE_integer("warmup", 10, "batches skipped before averaging")
-_DOCS = flags.DEFINE_integer("docs", 32, "documents per batch in part (4)")
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
-_FROM_JSON = flags.DEFINE_string("from_json", "", "only rewrite the .md and .png from this earlier JSON output")
+
+def _define_flags():
+    """Command-line flags, defined only when run as a script (so that importing this module, e.g. from
+    a test next to other experiment modules, defines no absl flags that could collide)."""
+    global _OUT, _D, _E, _K, _SCALE, _POP, _N, _STEPS, _WARMUP, _DOCS, _SEED, _FROM_JSON
+    _OUT = flags.DEFINE_string("out", "experiments/results/qb_convergence", "output path prefix (.json/.md/.png)")
+    _D = flags.DEFINE_integer("d", 128, "router input dimension d")
+    _E = flags.DEFINE_integer("num_experts", 32, "experts E")
+    _K = flags.DEFINE_integer("top_k", 4, "experts per token k")
+    _SCALE = flags.DEFINE_float("scale", 1.5, "logit scale (peakedness of the softmax router)")
+    _POP = flags.DEFINE_float("popularity", 1.0, "|mu|: std of the per-expert mean logit before scale")
+    _N = flags.DEFINE_integer("tokens", 16384, "tokens per batch of parts (1), (3), (4)")
+    _STEPS = flags.DEFINE_integer("steps", 40, "batches per stream")
+    _WARMUP = flags.DEFINE_integer("warmup", 10, "batches skipped before averaging")
+    _DOCS = flags.DEFINE_integer("docs", 32, "documents per batch in part (4)")
+    _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+    _FROM_JSON = flags.DEFINE_string("from_json", "", "only rewrite the .md and .png from this earlier JSON output")
 
 
 class Router:
@@ -460,4 +465,5 @@ def write_outputs(res, out):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
