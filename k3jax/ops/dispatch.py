@@ -22,7 +22,8 @@ where its ``supported`` check passes (NVIDIA sm_90, bf16 operands, M/K/N multipl
 cotangents marked with their primals' manual mesh axes so they run under ``jax.shard_map``). Neither
 library is a base dependency: ``pip install -e ".[gpu]"`` installs both (pinned); the device machine,
 which has no network, gets them as wheels carried in the git-excluded ``.whl/``. Without them
-``implementation=None`` uses "xla" on GPU (26x slower forward, 37x forward+backward at the shape of moe_gemm_h200.md).
+``implementation=None`` uses "xla" on GPU (26x slower forward, 37x forward+backward at the shape of
+moe_gemm_h200.md).
 """
 
 from __future__ import annotations
