@@ -327,3 +327,10 @@ def test_capacity_moe_equals_loop_over_kept_rows(cf):
     if cf == 2.0:
         assert float(dropped) == 0.0
         np.testing.assert_allclose(y, D.dropless_moe(x, ids, w, wg, wu, wd) * mask[:, None], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_rejects_float_group_sizes():
+    lhs = jnp.ones((8, 4))
+    rhs = jnp.ones((2, 4, 3))
+    with pytest.raises(ValueError, match="group_sizes"):
+        D.grouped_matmul(lhs, rhs, jnp.array([2.7, 5.3]))

@@ -158,6 +158,13 @@ class TestSupported:
         assert ops.supported(*self._inputs(K=128, V=128), lower_bound=-5.0)[0]
         assert ops.supported(*self._inputs(K=32, V=32, dtype=jnp.float32), lower_bound=-5.0)[0]
 
+    def test_compiled_call_off_gpu_raises_with_reason(self):
+        if jax.default_backend() == "gpu":
+            pytest.skip("on a GPU interpret=False is the compiled path")
+        x = make_kda_inputs(jax.random.PRNGKey(4), 1, 16, 1, 16)
+        with pytest.raises(ValueError, match="interpret=True"):
+            kda(*_args(x), lower_bound=-5.0, implementation="pallas")
+
     def test_kda_pallas_raises_with_reason(self):
         x = make_kda_inputs(jax.random.PRNGKey(4), 1, 16, 1, 16)
         with pytest.raises(ValueError, match="lower_bound"):

@@ -111,6 +111,8 @@ def test_metrics_match_numpy():
     assert float(R.load_entropy(jnp.ones(5))) == pytest.approx(1.0)
     assert float(R.max_vio_global(jnp.array([[2.0, 0.0], [0.0, 2.0]]))) == 0.0
     assert float(R.max_vio(jnp.zeros(3))) == 0.0
+    with pytest.raises(ValueError, match="loads"):
+        R.max_vio(jnp.ones((2, 3)))
     ids = jnp.array([[0, 1], [1, 2], [1, 3]])
     np.testing.assert_array_equal(R.expert_loads(ids, 4), [1, 3, 1, 1])
     np.testing.assert_array_equal(R.expert_loads(ids, 4, token_mask=jnp.array([1, 0, 1], bool)), [1, 2, 0, 1])

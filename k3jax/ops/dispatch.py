@@ -400,8 +400,8 @@ def grouped_matmul(
       ``[M, N]`` in ``preferred_element_type``.
 
     Raises:
-      ValueError: bad ranks/shapes, unknown ``implementation``, or an explicit ``implementation``
-        that does not support the call (the message gives the reason).
+      ValueError: bad ranks/shapes, non-integer ``group_sizes``, unknown ``implementation``, or an
+        explicit ``implementation`` that does not support the call (the message gives the reason).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
@@ -409,6 +409,8 @@ def grouped_matmul(
         )
     if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"shape mismatch: {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer row counts; got {group_sizes.dtype=}")
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation is None:
         name = default_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type)

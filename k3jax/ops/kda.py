@@ -32,8 +32,9 @@ def kda_gate(
 ) -> jax.Array:
     """Per-channel log-decay g (nats, <= 0) from the gate projection, in fp32.
 
-    lower_bound=None (Kimi Linear):  g = -exp(A_log[h]) * softplus(g_raw + dt_bias)   (g in (-inf, 0))
-    lower_bound=b (K3, bounded):     g = b * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)) (g in (b, 0))
+    lower_bound=None (Kimi Linear):  g = -exp(A_log[h]) * softplus(g_raw + dt_bias)   (g in (-inf, 0])
+    lower_bound=b (K3, bounded):     g = b * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)) (g in [b, 0])
+    (mathematically open intervals; fp32 sigmoid/softplus saturate, so b and 0 themselves occur)
 
     Args:
       g_raw: [B, T, H, K] gate projection output (any float dtype).
@@ -116,8 +117,9 @@ def kda(
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Raises:
-      ValueError: unknown implementation, "pallas" for a call the kernel does not cover, mismatched shapes, bad chunk_size or
-        lower_bound (the message names the argument).
+      ValueError: unknown implementation, "pallas" for a call the kernel does not cover (or with
+        interpret=False off a GPU), mismatched shapes, bad chunk_size or lower_bound (the message names
+        the argument).
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda` / `naive_recurrent_kda`.
     """
@@ -136,6 +138,9 @@ def kda(
                                        initial_state=initial_state, interpret=interpret)
         if not ok:
             raise ValueError(f"{implementation=} cannot run this call: {why}")
+        if not interpret and jax.default_backend() != "gpu":
+            raise ValueError(f"{implementation=} with interpret=False compiles the kernels for a CUDA GPU (Triton "
+                             f"lowering); the backend is {jax.default_backend()!r}: pass interpret=True on CPU")
         return pallas_kda.kda_pallas(q, k, v, g, beta, lower_bound=lower_bound, scale=scale,
                                      initial_state=initial_state, output_final_state=output_final_state,
                                      chunk_size=chunk_size, interpret=interpret)

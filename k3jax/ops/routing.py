@@ -255,8 +255,13 @@ def max_vio(loads: jax.Array) -> jax.Array:
 
     Returns:
       fp32 scalar; 0 at perfect balance, E − 1 when one expert takes everything; 0 if all loads are 0.
+
+    Raises:
+      ValueError: ``loads`` is not 1-D (use :func:`max_vio_global` for ``[S, E]``).
     """
     loads = jnp.asarray(loads, jnp.float32)
+    if loads.ndim != 1:
+        raise ValueError(f"loads must be [E]; got {loads.shape=} (max_vio_global takes [S, E])")
     mean = jnp.mean(loads)
     return jnp.where(mean > 0, (jnp.max(loads) - mean) / jnp.where(mean > 0, mean, 1.0), 0.0)
 
