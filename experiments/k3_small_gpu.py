@@ -53,7 +53,8 @@ _BASE_BUDGET = flags.DEFINE_float("baseline_time_budget_s", 150.0, "Wall-clock s
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 8192, "n of the n x n x n bf16 GEMMs that measure the rate.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 10, "Timed GEMMs (median reported).")
 _TINY = flags.DEFINE_bool("tiny", False, "CPU smoke size: d_model 64, 4 layers, 4 experts, 2 x 128 tokens.")
-_OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go.")
+_OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go (with --tiny and no "
+                           "--out: /tmp/k3_small_tiny, so a smoke run never overwrites the committed results).")
 _NAME = flags.DEFINE_string("name", "k3_small_h200", "Output file stem.")
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/k3_small_runs", "Run directories: <root>/<model>.")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "/tmp/k3jax_jax_cache",
@@ -181,8 +182,9 @@ def main(argv):
     if _CACHE_DIR.value:
         enable_compilation_cache(_CACHE_DIR.value)
     counter = CompileCounter()
-    os.makedirs(_OUT.value, exist_ok=True)
-    stem = os.path.join(_OUT.value, _NAME.value)
+    out = "/tmp/k3_small_tiny" if _TINY.value and not flags.FLAGS["out"].present else _OUT.value
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, _NAME.value)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.node()})",
               "versions": _versions(), "flags": {"steps": _STEPS.value, "k3_time_budget_s": _K3_BUDGET.value,

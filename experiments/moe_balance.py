@@ -130,8 +130,8 @@ def _write(results: dict, meta: dict, stem: str) -> None:
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
     lines = [f"# MoE balancing comparison ({meta['date']}, {meta['device']}, jax {jax.__version__})", "",
-             f"E = {meta['num_experts']}, top-{meta['top_k']}, {meta['steps']} steps, seeds "
-             f"{','.join(meta['seeds'])}; MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
+             f"E = {meta['num_experts']}, top-{meta['top_k']}, {meta['steps']} steps, seeds requested "
+             f"{','.join(meta['seeds'])} (the seeds column counts those that ran); MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
              f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
              "validation slice at the end. Compile s = backend compile seconds of the method's runs (seeds "
              f"after the first load the persistent cache). MoE grouped matmul: {meta.get('grouped_matmul', '?')}.", "",
