@@ -43,7 +43,10 @@ flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "experiments/results/kda_cpu", "output path without extension ('' = no files)")
-flags.DEFINE_string("from_json", "", "re-render the tables of an earlier run's JSON (no timing)")
+flags.DEFINE_list("from_json", [], "re-render the tables from earlier runs' files (no timing): .json files of "
+                  "this script and/or the <out>_fla.jsonl rows of a --fla run (e.g. from another GPU process)")
+flags.DEFINE_integer("check_max_t", 2048, "accuracy check: the first min(T, this) tokens of batch row 0, every "
+                     "implementation vs the fp32 recurrent oracle on the same (upcast) inputs (0 = no check)")
 flags.DEFINE_bool("fla", False, "also time fla's chunk_kda(safe_gate=True, lower_bound=-5) in a torch "
                   "subprocess of this call (needs torch + CUDA + flash-linear-attention)")
 
@@ -200,6 +203,43 @@ def environment():
                 jaxlib=jaxlib.__version__, numpy=np.__version__)
 
 
+def rms_ratio(a, b) -> float:
+    """sqrt(mean((a - b)^2) / mean(b^2)) in fp32 (relative RMS error of a against the reference b)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.sqrt(jnp.mean(jnp.square(a - b)) / jnp.maximum(jnp.mean(jnp.square(b)), 1e-30)))
+
+
+def check_errors(op: Callable, B, T, H, K, dtype) -> dict:
+    """RMS ratios of op's o and of the gradients of sum(o * do) w.r.t. q, k, v, g, beta, on the first
+    batch row of fresh inputs with T tokens, against the fp32 recurrent oracle on the same inputs upcast
+    to fp32 (the reference the tests use; fla's tolerances are o 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2)."""
+    del B
+    args = make_inputs(jax.random.PRNGKey(7), 1, T, H, K, dtype)
+    ref_op = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent")[0]  # noqa: E731
+    ref = jitted(ref_op, "fwd+bwd")(*(a.astype(jnp.float32) for a in args))
+    got = jitted(op, "fwd+bwd")(*args)
+    o_ref = jitted(ref_op, "fwd")(*(a.astype(jnp.float32) for a in args))
+    o_got = jitted(op, "fwd")(*args)
+    return {"o": rms_ratio(o_got, o_ref), **{f"d{n}": rms_ratio(a, b) for n, a, b in
+                                            zip(("q", "k", "v", "g", "beta"), got[1], ref[1])}}
+
+
+def load_rows(paths) -> tuple[dict, list[dict]]:
+    """Rows (and the first environment) of earlier runs: this script's .json files and --fla .jsonl rows."""
+    env, rows = None, []
+    for path in paths:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                rows += [json.loads(line) for line in f if line.strip()]
+            else:
+                saved = json.load(f)
+                env = env or saved["environment"]
+                rows += saved["rows"]
+    if env is None:
+        raise ValueError(f"from_json={paths!r} names no .json file with an environment")
+    return env, rows
+
+
 def time_all():
     """Time every requested implementation, shape and mode; returns (environment, rows)."""
     env = environment()
@@ -212,18 +252,11 @@ def time_all():
             if name not in ops:
                 print(f"skip {name}: not importable here", flush=True)
                 continue
-            if name != "chunked" and "chunked" in ops:  # correctness at the timed shape, vs the XLA chunk form
-                args = make_inputs(jax.random.PRNGKey(7), B, T, H, K, dtype)
-                ref = jitted(ops["chunked"], "fwd+bwd")(*args)
-                got = jitted(ops[name], "fwd+bwd")(*args)
-                rms = lambda a, b: float(jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                                               / jnp.maximum(jnp.mean(jnp.square(b.astype(jnp.float32))), 1e-30)))
-                o_ref = jitted(ops["chunked"], "fwd")(*args)
-                o_got = jitted(ops[name], "fwd")(*args)
-                errs = {"o": rms(o_got, o_ref), **{f"d{n}": rms(a, b) for n, a, b in
-                                                   zip(("q", "k", "v", "g", "beta"), got[1], ref[1])}}
-                print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_chunked=errs)), flush=True)
-                rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K, rms_ratio_vs_chunked=errs))
+            if FLAGS.check_max_t and name != "recurrent":
+                errs = check_errors(ops[name], B, min(T, FLAGS.check_max_t), H, K, dtype)
+                print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_fp32_recurrent=errs)), flush=True)
+                rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K,
+                                 check_T=min(T, FLAGS.check_max_t), rms_ratio_vs_fp32_recurrent=errs))
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
@@ -242,9 +275,7 @@ def time_all():
 def main(argv):
     del argv
     if FLAGS.from_json:
-        with open(FLAGS.from_json) as f:
-            saved = json.load(f)
-        env, rows = saved["environment"], saved["rows"]
+        env, rows = load_rows(FLAGS.from_json)
         shapes = list(dict.fromkeys(f"{r['B']}x{r['T']}x{r['H']}x{r['K']}" for r in rows))
         FLAGS.shapes = shapes
     else:
@@ -256,20 +287,25 @@ def main(argv):
              f"after {FLAGS.warmup} warm-up calls.", "",
              "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
     for r in [r for r in rows if r["mode"] == "check"]:
-        lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | RMS ratio vs chunked | " +
-                     ", ".join(f"{k} {v:.1e}" for k, v in r["rms_ratio_vs_chunked"].items()) + " | | | |")
+        if "rms_ratio_vs_fp32_recurrent" in r:
+            what, errs = f"RMS ratio vs fp32 recurrent (1×{r['check_T']}×{r['H']})", r["rms_ratio_vs_fp32_recurrent"]
+        else:  # runs before 2026-12-01 compared with the bf16 chunked op at the timed shape
+            what, errs = "RMS ratio vs chunked", r["rms_ratio_vs_chunked"]
+        lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {what} | " +
+                     ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + " | | | |")
     for r in [r for r in rows if r["mode"] != "check"]:
         ref = [x for x in rows if x["implementation"] == "recurrent" and x["mode"] == r["mode"]
                and (x["B"], x["T"], x["H"], x["K"]) == (r["B"], r["T"], r["H"], r["K"])]
         speed = f"{ref[0]['median_ms'] / r['median_ms']:.1f}×" if ref else "—"
         lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {r['mode']} | "
-                     f"{r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {speed} |")
+                     f"{r['median_ms']:.2f} | {r.get('min_ms', float('nan')):.2f} | {r.get('max_ms', float('nan')):.2f} | {speed} |")
     peers = {"fla", "jla"}
     if any(r["implementation"] in peers for r in rows):
         lines += ["", "Side by side (median ms; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 "
                   "TFLOP/s, bytes / 4.3 TB/s), the H200 rates measured on these machines):", "",
                   "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
-                  "chunked / best peer | floor ms | pallas % of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for shape in FLAGS.shapes:
             B, T, H, K = (int(x) for x in shape.lower().split("x"))
             flops, nbytes = counts(B, T, H, K, K, FLAGS.chunk_size)
@@ -282,8 +318,10 @@ def main(argv):
                 cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
                 ratio = lambda n: f"{t[n] / best:.2f}" if n in t else "—"  # noqa: E731
                 pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
+                speedup = f"{t['chunked'] / t['pallas']:.2f}×" if {"chunked", "pallas"} <= set(t) else "—"
                 lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
-                             f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {floor:.3f} | {pct} |")
+                             f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {speedup} | {floor:.3f} | "
+                             f"{pct} |")
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:

@@ -1,0 +1,33 @@
+"""experiments/bench_kda.py end to end on a tiny shape (subprocess: the script defines absl flags)."""
+import json
+import subprocess
+import sys
+
+
+def _run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "experiments.bench_kda", *args], cwd=cwd, capture_output=True,
+                          text=True, check=True, timeout=600)
+
+
+def test_check_rows_and_merge_with_fla_rows(tmp_path):
+    repo = __file__.rsplit("/tests/", 1)[0]
+    out = tmp_path / "kda"
+    _run("--shapes=1x64x1x16", "--implementations=chunked", "--iters=1", "--warmup=0", "--check_max_t=32",
+         f"--out={out}", cwd=repo)
+    saved = json.loads((tmp_path / "kda.json").read_text())
+    check = [r for r in saved["rows"] if r["mode"] == "check"]
+    assert len(check) == 1 and check[0]["check_T"] == 32
+    errs = check[0]["rms_ratio_vs_fp32_recurrent"]
+    assert set(errs) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert all(0.0 < e < 1e-2 for e in errs.values()), errs      # bf16 inputs vs the fp32 oracle: nonzero, small
+    fla_row = dict(implementation="fla", mode="fwd", B=1, T=64, H=1, K=16, V=16, median_ms=2.0 * min(
+        r["median_ms"] for r in saved["rows"] if r["mode"] == "fwd"))
+    (tmp_path / "kda_fla.jsonl").write_text(json.dumps(fla_row) + "\n")
+    _run(f"--from_json={tmp_path / 'kda.json'},{tmp_path / 'kda_fla.jsonl'}", f"--out={tmp_path / 'merged'}",
+         cwd=repo)
+    md = (tmp_path / "merged.md").read_text()
+    fwd = [line for line in md.splitlines() if line.startswith("| 1×64×1 | fwd |")]
+    assert len(fwd) == 1
+    cells = [c.strip() for c in fwd[0].strip("|").split("|")]
+    assert cells[5] == f"{fla_row['median_ms']:.2f}"          # the fla column comes from the .jsonl
+    assert cells[7] == "0.50"                                   # chunked / best peer
