@@ -17,16 +17,22 @@ method) and tokens/s. Writes `<out>/moe_balance_<date>.json`, `.md` (table: mean
 `.png` (MaxVio_batch vs step per method) with the device and versions. The three files are rewritten
 after EVERY run, so a run cut short keeps the finished rows.
 
-Runs go seed-major (seed 0 of every method, then seed 1, ...), so a cut keeps every method. JAX's
-persistent compilation cache (`--compilation_cache_dir`) lets seeds 1, 2 of a method load seed 0's
-executables (a new model object is re-traced, but its HLO is identical: the cache key is the HLO hash);
-each row records the compile requests, persistent-cache hits and backend compile seconds of its run.
+Runs go seed-major (seed 0 of every method, then seed 1, ...), so a cut keeps every method. Seeds 1, 2
+of a method reuse seed 0's executables IN MEMORY, with no re-trace and no compile request: the jitted
+train step (`nnx.jit`) keys its cache on the graph definition of (model, optimizer), which is equal
+across seeds for the model but was not for the optimizer, whose static `tx` is a fresh optax object
+(closures compare by identity) per `make_optimizer` call, so every run re-traced the step and only a
+persistent-cache hit on a bit-identical HLO could save the compile (on CPU it did; the H200 run never
+reached a seed 1). `shared_optimizer_transforms()` hands every run with the same `TrainConfig` the same
+optax object. Each row records compile requests, persistent-cache hits and backend compile seconds.
 `--time_budget_s` stops starting new runs once the elapsed time plus the expected length of the next
 run (the last run of that method, or the slowest first run so far) would pass the budget.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -38,9 +44,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.runtime import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
-from k3jax.train.config import run_config_from_dict
+import k3jax.train.trainer as trainer_lib
+from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
-from k3jax.train.trainer import train
+from k3jax.train.optimizer import make_optimizer
 
 METHODS: dict[str, dict] = {
     "none": {"moe_balancing": "none"},
@@ -87,16 +94,45 @@ def expected_run_seconds(method: str, walls: dict[str, list[float]]) -> float:
     return max((w for ws in walls.values() for w in ws), default=0.0)
 
 
-def _run_config(base: dict, method: str, seed: int) -> dict:
+def run_config(base: dict, method: str, seed: int, *, num_experts: int, top_k: int, steps: int,
+               workdir_root: str) -> RunConfig:
+    """The RunConfig of one (method, seed) run: `base` (a plain config dict) with the MoE FFN of E =
+    `num_experts`, top-`top_k`, the method's settings (`METHODS[method]`), `steps` steps with one eval
+    and one checkpoint at the end, and workdir `<workdir_root>/<method>/seed<seed>`.
+
+    Raises:
+      ValueError: unknown `method`, or a field the config classes reject.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method: unknown {method!r}; choose from {sorted(METHODS)}")
     d = json.loads(json.dumps(base))  # deep copy of plain data
-    d["model"].update(ffn="moe", moe_num_experts=_EXPERTS.value, moe_top_k=_TOP_K.value, **METHODS[method])
-    steps = _STEPS.value
+    d["model"].update(ffn="moe", moe_num_experts=num_experts, moe_top_k=top_k, **METHODS[method])
     d["train"].update(steps=steps, eval_every=steps, checkpoint_every=steps, log_every=max(1, min(10, steps // 20)),
                       sample_tokens=0)
     d["train"]["warmup_steps"] = min(d["train"].get("warmup_steps", 0), max(steps // 10, 1))
     d["seed"] = seed
-    d["workdir"] = os.path.join(_ROOT.value, method, f"seed{seed}")
-    return d
+    d["workdir"] = os.path.join(workdir_root, method, f"seed{seed}")
+    return run_config_from_dict(d)
+
+
+_cached_make_optimizer = functools.cache(make_optimizer)
+
+
+@contextlib.contextmanager
+def shared_optimizer_transforms():
+    """Within the block, `k3jax.train.trainer.train` builds its optax transformation with a cached
+    `make_optimizer` (keyed on the frozen `TrainConfig`), so runs that differ only in seed get the SAME
+    optax object, hence equal `nnx.Optimizer` graph definitions, and `nnx.jit(train_step)` reuses the
+    executable traced and compiled for the first seed (no re-trace, no compile request). Sharing the
+    object is safe: an optax transformation is a pair of pure functions; its state lives in the
+    optimizer. The cache is module-wide (it outlives the block); the trainer's `make_optimizer` is
+    restored on exit."""
+    original = trainer_lib.make_optimizer
+    trainer_lib.make_optimizer = _cached_make_optimizer
+    try:
+        yield
+    finally:
+        trainer_lib.make_optimizer = original
 
 
 def _layer_mean(row: dict, stat: str) -> float | None:
@@ -134,7 +170,7 @@ def _write(results: dict, meta: dict, stem: str) -> None:
              f"{','.join(meta['seeds'])} (the seeds column counts those that ran); MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
              f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
              "validation slice at the end. Compile s = backend compile seconds of the method's runs (seeds "
-             f"after the first load the persistent cache). MoE grouped matmul: {meta.get('grouped_matmul', '?')}.", "",
+             f"after the first reuse its executables in memory). MoE grouped matmul: {meta.get('grouped_matmul', '?')}.", "",
              "| method | seeds | val loss (nats) | MaxVio_batch | MaxVio_global | CV | drop % | dead experts "
              "| diverted % | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -200,10 +236,12 @@ def main(argv):
             print(f"skip {method} seed {seed}: {elapsed:.0f} s elapsed + "
                   f"{expected_run_seconds(method, walls):.0f} s expected > budget {_BUDGET.value:.0f} s", flush=True)
             continue
-        cfg = run_config_from_dict(_run_config(base, method, seed))
+        cfg = run_config(base, method, seed, num_experts=_EXPERTS.value, top_k=_TOP_K.value, steps=_STEPS.value,
+                         workdir_root=_ROOT.value)
         counter.reset()
         t_run = time.time()
-        summary = train(cfg, show_progress=False)
+        with shared_optimizer_transforms():
+            summary = trainer_lib.train(cfg, show_progress=False)
         wall = time.time() - t_run
         walls.setdefault(method, []).append(wall)
         res = _summarise(cfg.workdir, summary)

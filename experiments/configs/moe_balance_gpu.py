@@ -5,7 +5,7 @@ A small attention-only MoE LM: 2 layers of causal softmax attention (RoPE, 6 hea
 bf16 compute, 32 x 512 bytes per step, 300 steps (MaxVio_batch is averaged over the last 225).
 
 Why attention-only and not the K3 hybrid (KKKA): the table needs one fresh compilation per method
-(9 methods; seeds 1, 2 load seed 0's executables from the persistent cache), compile time is what the
+(seeds 1, 2 reuse seed 0's executables in memory, see experiments/moe_balance.py), compile time is what the
 one-call budget is spent on, and on this codebase the KDA chunked op doubles it: measured on CPU at
 d_model 256, 4 layers, E = 32, a KKKA run spends ~25 s in backend compilation against ~12 s for
 attention-only, and layers are unrolled, so compile grows with depth (hence 2 layers). The table is
