@@ -51,6 +51,7 @@ __all__ = [
     "grouped_swiglu",
     "permute",
     "register_grouped_matmul",
+    "split_group_sizes",
     "dropless_moe",
     "expert_parallel_dropless_moe",
     "Permutation",
@@ -224,6 +225,46 @@ def _tokamax_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type):
     ``ragged_dot_general`` with the dimension numbers of tokamax's ``base.vjp``. Tail rows are masked."""
     out = _tokamax_ragged_dot(lhs, rhs, group_sizes, jnp.dtype(preferred_element_type))
     return _mask_tail_rows(out, group_sizes)
+
+
+def split_group_sizes(group_sizes: jax.Array, max_rows: int, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """Split every group into consecutive virtual groups of at most ``max_rows`` rows.
+
+    Group ``g`` of ``s_g`` rows becomes ``ceil(s_g / max_rows)`` virtual groups, in row order (all but
+    its last hold ``max_rows`` rows); an empty group gets none. Rows do not move, so a ragged kernel
+    called with the virtual sizes reads the same ``lhs`` rows, and per-group results are the sums of
+    the virtual groups' results over ``owner`` (``jax.ops.segment_sum``). The number of virtual groups
+    is static: ``V = G + num_rows // max_rows`` bounds ``Σ_g ceil(s_g / max_rows)`` whenever
+    ``Σ_g s_g <= num_rows``; unused virtual groups (a suffix) are empty and owned by group ``G - 1``.
+    Used to cut the largest experts' share of the ragged-contraction GEMM (``d_rhs``) into pieces
+    that run on different SMs (issue #5).
+
+    Args:
+      group_sizes: ``[G]`` int rows per group (ragged_dot order), ``sum <= num_rows``.
+      max_rows: most rows of one virtual group, ``>= 1`` (python int).
+      num_rows: M, the row count of the ragged operand (python int, ``>= 0``).
+
+    Returns:
+      ``(sizes [V] int32, owner [V] int32)``: rows of each virtual group and the group it belongs to
+      (non-decreasing).
+
+    Raises:
+      ValueError: ``group_sizes`` not 1-D integer, ``max_rows < 1`` or ``num_rows < 0``.
+    """
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be [G] integer; got {group_sizes.shape=}, {group_sizes.dtype=}")
+    if max_rows < 1 or num_rows < 0:
+        raise ValueError(f"need max_rows >= 1 and num_rows >= 0; got {max_rows=}, {num_rows=}")
+    num_groups = group_sizes.shape[0]
+    num_virtual = num_groups + num_rows // max_rows
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    pieces = (sizes + max_rows - 1) // max_rows
+    piece_end = jnp.cumsum(pieces)
+    j = jnp.arange(num_virtual, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(piece_end, j, side="right"), num_groups - 1).astype(jnp.int32)
+    within = j - (piece_end[owner] - pieces[owner])  # index of the piece inside its group
+    virtual = jnp.clip(sizes[owner] - within * max_rows, 0, max_rows).astype(jnp.int32)
+    return jnp.where(j < piece_end[-1], virtual, 0), owner
 
 
 @jax.custom_vjp
