@@ -5,6 +5,9 @@
   # one H200, the whole table in one call (attention-only MoE LM, see configs/moe_balance_gpu.py):
   python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
       --top_k=4 --steps=300 --time_budget_s=380 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
+  # results of separate processes (e.g. one per GPU, disjoint --methods) -> one json/md/png:
+  python -m experiments.moe_balance --merge=$OUT/gpu0/moe_balance_<date>.json,$OUT/gpu1/moe_balance_<date>.json \
+      --out=$OUT/results --name=moe_balance_h200x2
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
 loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
@@ -75,6 +78,9 @@ _ORDER = flags.DEFINE_enum("order", "seed_major", ["seed_major", "method_major"]
                            "seed_major: seed 0 of every method first (a cut keeps every method).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting runs that would end past this many "
                              "seconds of wall clock since start (0 = no budget).")
+_MERGE = flags.DEFINE_list("merge", [], "Result JSONs of separate processes: write ONE merged json/md/png "
+                           "to <out>/<name>.* and train nothing.")
+_NAME = flags.DEFINE_string("name", "", "Output file stem under --out ('' = moe_balance_<date>).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "/tmp/k3jax_jax_cache",
                                  "JAX persistent compilation cache ('' = off).")
 
@@ -161,11 +167,76 @@ def _fmt(values, scale=1.0, digits=3):
     return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}" if v.size > 1 else f"{v.mean():.{digits}f}"
 
 
-def _write(results: dict, meta: dict, stem: str) -> None:
-    """Write `<stem>.json`, `.md` (mean ± std over seeds) and `.png` (MaxVio_batch vs step)."""
+_SAME_IN_MERGE = ("steps", "num_experts", "top_k", "warmup_frac", "jax")
+
+
+def _process_line(p: dict) -> str:
+    return (f"{p.get('file', '?')}: {p.get('device', '?')}, CUDA_VISIBLE_DEVICES={p.get('cuda_visible_devices')}, "
+            f"pid {p.get('pid', '?')}, methods {','.join(p.get('methods', []))}, "
+            f"{p.get('elapsed_s', float('nan')):.0f} s elapsed, grouped matmul {p.get('grouped_matmul', '?')}")
+
+
+def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
+    """One (results, meta) from result JSONs written by separate processes of this script.
+
+    Rows are concatenated per method (methods in first-seen order, each method's rows sorted by seed);
+    meta is the first file's, with `device` = the distinct devices joined by " + ", `seeds` = the union,
+    `skipped` = the union minus the (method, seed) pairs some file ran, `elapsed_s` = the longest
+    process, `processes` = one entry per file (file, device, CUDA_VISIBLE_DEVICES, pid, methods,
+    elapsed, grouped matmul) and `merged_from` = `paths`.
+
+    Raises:
+      ValueError: fewer than 2 paths; a file without "meta"/"results"; files that disagree on
+        steps, num_experts, top_k, warmup_frac or jax version; a (method, seed) present in two files.
+    """
+    if len(paths) < 2:
+        raise ValueError(f"merge needs at least 2 result files; got {paths=}")
+    loaded = []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        if not isinstance(d, dict) or "meta" not in d or "results" not in d:
+            raise ValueError(f"{path=}: not a moe_balance result file (needs 'meta' and 'results')")
+        loaded.append((path, d["meta"], d["results"]))
+    first_path, first_meta, _ = loaded[0]
+    for path, m, _ in loaded[1:]:
+        for key in _SAME_IN_MERGE:
+            if m.get(key) != first_meta.get(key):
+                raise ValueError(f"{path=}: {key}={m.get(key)!r} differs from {first_path}'s {first_meta.get(key)!r}")
+    results: dict[str, list[dict]] = {}
+    ran: set[tuple[str, int]] = set()
+    processes, skipped, devices = [], [], []
+    for path, m, res in loaded:
+        for method, runs in res.items():
+            for r in runs:
+                if (method, r["seed"]) in ran:
+                    raise ValueError(f"{path=}: {method} seed {r['seed']} is also in another file")
+                ran.add((method, r["seed"]))
+                results.setdefault(method, []).append(r)
+        skipped += [tuple(x) for x in m.get("skipped", [])]
+        if m["device"] not in devices:
+            devices.append(m["device"])
+        processes += [dict(p, file=p.get("file", path)) for p in m["processes"]] if "processes" in m else [
+            {"file": path, "device": m["device"], "cuda_visible_devices": m.get("cuda_visible_devices"),
+             "pid": m.get("pid"), "methods": m.get("methods", list(res)), "elapsed_s": m.get("elapsed_s", float("nan")),
+             "grouped_matmul": m.get("grouped_matmul")}]
+    for runs in results.values():
+        runs.sort(key=lambda r: r["seed"])
+    meta = dict(first_meta)
+    meta.update(device=" + ".join(devices), processes=processes, merged_from=list(paths),
+                seeds=sorted({s for _, m, _ in loaded for s in m["seeds"]}, key=int),
+                skipped=[list(x) for x in dict.fromkeys(skipped) if (x[0], x[1]) not in ran],
+                elapsed_s=max(m.get("elapsed_s", 0.0) for _, m, _ in loaded),
+                grouped_matmul=" + ".join(dict.fromkeys(str(m.get("grouped_matmul")) for _, m, _ in loaded)))
+    return results, meta
+
+
+def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None:
+    """Write `<stem>.json` ({"meta", "results"}), `.md` (table: mean ± std over seeds; with
+    `meta["processes"]`, one header line per process) and `.png` (MaxVio_batch vs step per method)."""
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
-    lines = [f"# MoE balancing comparison ({meta['date']}, {meta['device']}, jax {jax.__version__})", "",
+    lines = [f"# MoE balancing comparison ({meta['date']}, {meta['device']}, jax {meta.get('jax', jax.__version__)})", "",
              f"E = {meta['num_experts']}, top-{meta['top_k']}, {meta['steps']} steps, seeds requested "
              f"{','.join(meta['seeds'])} (the seeds column counts those that ran); MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
              f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
@@ -174,6 +245,9 @@ def _write(results: dict, meta: dict, stem: str) -> None:
              "| method | seeds | val loss (nats) | MaxVio_batch | MaxVio_global | CV | drop % | dead experts "
              "| diverted % | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if meta.get("processes"):
+        lines[2:2] = [f"Merged from {len(meta['processes'])} processes (rows concatenated; elapsed = the longest):", "",
+                      *[f"- {_process_line(p)}" for p in meta["processes"]], ""]
     for method, runs in results.items():
         col = lambda k: [r[k] for r in runs]  # noqa: E731
         lines.append(
@@ -211,6 +285,17 @@ def main(argv):
     t_start = time.time()
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    if _MERGE.value:
+        results, meta = merge_results(list(_MERGE.value))
+        os.makedirs(_OUT.value, exist_ok=True)
+        stem = os.path.join(_OUT.value, _NAME.value or f"moe_balance_{meta['date']}")
+        if any(os.path.abspath(stem + ".json") == os.path.abspath(p) for p in _MERGE.value):
+            raise ValueError(f"--out/--name: {stem}.json is one of the --merge inputs; choose another --name")
+        write_results(results, meta, stem)
+        with open(stem + ".md") as f:
+            print(f.read())
+        print(f"wrote {stem}.json/.md/.png")
+        return
     unknown = sorted(set(_METHODS.value) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
@@ -224,9 +309,10 @@ def main(argv):
             "num_experts": _EXPERTS.value, "top_k": _TOP_K.value, "seeds": _SEEDS.value,
             "warmup_frac": _WARMUP.value, "order": _ORDER.value, "time_budget_s": _BUDGET.value,
             "compilation_cache_dir": _CACHE_DIR.value, "grouped_matmul": grouped_matmul_in_use(),
-            "skipped": [], "base_config": base}
+            "skipped": [], "methods": list(_METHODS.value), "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "base_config": base}
     os.makedirs(_OUT.value, exist_ok=True)
-    stem = os.path.join(_OUT.value, f"moe_balance_{stamp}")
+    stem = os.path.join(_OUT.value, _NAME.value or f"moe_balance_{stamp}")
     results: dict[str, list[dict]] = {}
     walls: dict[str, list[float]] = {}
     for method, seed in run_order(list(_METHODS.value), [int(s) for s in _SEEDS.value], _ORDER.value):
@@ -248,13 +334,13 @@ def main(argv):
         res.update(seed=seed, wall_s=wall, compile=counter.reset())
         results.setdefault(method, []).append(res)
         meta["elapsed_s"] = time.time() - t_start
-        _write(results, meta, stem)
+        write_results(results, meta, stem)
         print(f"{method} seed {seed}: val loss {res['val_loss']:.4f}, MaxVio_batch "
               f"{res['max_vio_after_warmup']:.3f}, MaxVio_global {res['max_vio_global']}, {wall:.1f} s "
               f"(compile {res['compile']['backend_compile_s']:.1f} s, cache hits {res['compile']['cache_hits']}"
               f"/{res['compile']['compile_requests']}); {meta['elapsed_s']:.0f} s elapsed", flush=True)
     meta["elapsed_s"] = time.time() - t_start
-    _write(results, meta, stem)
+    write_results(results, meta, stem)
     with open(stem + ".md") as f:
         print(f.read())
     print(f"wrote {stem}.json/.md/.png")

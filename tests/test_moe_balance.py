@@ -62,3 +62,63 @@ def test_run_config_rejects_unknown_method(tmp_path):
     with pytest.raises(ValueError, match="method"):
         moe_balance.run_config(_tiny_base(), "quantile_bogus", 0, num_experts=4, top_k=2, steps=2,
                                workdir_root=str(tmp_path))
+
+
+def _row(seed: int, val_loss: float) -> dict:
+    return {"seed": seed, "val_loss": val_loss, "val_bpb": 1.0, "max_vio_after_warmup": 0.1 * (seed + 1),
+            "max_vio_global": 0.2, "cv_after_warmup": 0.3, "dropped_fraction_after_warmup": 0.0,
+            "dead_experts_after_warmup": 0.0, "diverted_fraction_after_warmup": 0.0, "entropy_after_warmup": 0.9,
+            "tokens_per_s": 1000.0, "wall_s": 1.0, "curve_steps": [1, 2], "max_vio_curve": [1.0, 0.5],
+            "compile": {"backend_compile_s": 2.0 if seed == 0 else 0.0}}
+
+
+def _meta(device: str, visible: str, methods: list[str], skipped: list, elapsed: float) -> dict:
+    return {"date": "2026-12-01", "device": device, "jax": jax.__version__, "steps": 2, "num_experts": 4,
+            "top_k": 2, "seeds": ["0", "1"], "warmup_frac": 0.25, "time_budget_s": 500.0, "skipped": skipped,
+            "methods": methods, "pid": 11 if visible == "0" else 12, "cuda_visible_devices": visible,
+            "elapsed_s": elapsed, "grouped_matmul": "jla"}
+
+
+def test_merge_concatenates_rows_and_lists_every_process(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    moe_balance.write_results({"none": [_row(0, 3.0), _row(1, 3.2)], "quantile_exact": [_row(0, 2.5)]},
+                              _meta("NVIDIA H200 x1 (h)", "0", ["none", "quantile_exact"],
+                                    [["quantile_exact", 1]], 400.0), a)
+    moe_balance.write_results({"aux_loss": [_row(1, 2.9), _row(0, 2.7)]},
+                              _meta("NVIDIA H200 x1 (h)", "1", ["aux_loss"], [], 300.0), b)
+    results, meta = moe_balance.merge_results([a + ".json", b + ".json"])
+    assert list(results) == ["none", "quantile_exact", "aux_loss"]
+    assert [r["seed"] for r in results["aux_loss"]] == [0, 1]  # sorted by seed
+    assert [r["val_loss"] for r in results["none"]] == [3.0, 3.2]
+    assert meta["elapsed_s"] == 400.0 and meta["device"] == "NVIDIA H200 x1 (h)"
+    assert meta["skipped"] == [["quantile_exact", 1]]
+    assert [p["cuda_visible_devices"] for p in meta["processes"]] == ["0", "1"]
+    out = str(tmp_path / "merged")
+    moe_balance.write_results(results, meta, out)
+    md = open(out + ".md").read()
+    assert "Merged from 2 processes" in md
+    assert "CUDA_VISIBLE_DEVICES=0, pid 11, methods none,quantile_exact, 400 s" in md
+    assert "CUDA_VISIBLE_DEVICES=1, pid 12, methods aux_loss, 300 s" in md
+    assert "| aux_loss | 2 | 2.8000 ± 0.1000 |" in md
+    assert "| none | 2 | 3.1000 ± 0.1000 |" in md
+    # A merge of merges keeps the original process list.
+    c = str(tmp_path / "c")
+    moe_balance.write_results({"loss_free": [_row(0, 2.0)]}, _meta("NVIDIA H200 x1 (g)", "0", ["loss_free"], [], 10.0), c)
+    _, meta2 = moe_balance.merge_results([out + ".json", c + ".json"])
+    assert [p["pid"] for p in meta2["processes"]] == [11, 12, 11]
+    assert meta2["device"] == "NVIDIA H200 x1 (h) + NVIDIA H200 x1 (g)"
+
+
+def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    moe_balance.write_results({"none": [_row(0, 3.0)]}, _meta("d", "0", ["none"], [], 1.0), a)
+    moe_balance.write_results({"none": [_row(0, 3.1)]}, _meta("d", "1", ["none"], [], 1.0), b)
+    with pytest.raises(ValueError, match="none seed 0"):
+        moe_balance.merge_results([a + ".json", b + ".json"])
+    other = _meta("d", "1", ["aux_loss"], [], 1.0)
+    other["steps"] = 3
+    moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, other, b)
+    with pytest.raises(ValueError, match="steps"):
+        moe_balance.merge_results([a + ".json", b + ".json"])
+    with pytest.raises(ValueError, match="at least 2"):
+        moe_balance.merge_results([a + ".json"])
