@@ -7,7 +7,8 @@ For balanced (M/E rows per group) and skewed (Zipf(1.5) expert ids, ``np.bincoun
 seed 0: one group holds ~38% of the rows) group sizes, at M=32768, K=2048, N=1024, 64 groups, bf16:
 
 * ``fwd``   out [M, N] = ragged_dot(lhs [M, K], rhs [E, K, N]): jla 0.1.0's ``_ragged_dot_kernel`` for every
-  named ``TileConfig`` of jla that ``supports`` accepts for the call;
+  named ``TileConfig`` of jla that ``supports`` accepts for the call (then, last, the unnamed
+  ``EXTRA_CONFIGS``);
 * ``d_lhs`` [M, K] = ragged_dot(d_out [M, N], rhs^T): the same kernel with ``transpose_rhs=True``, every
   config;
 * ``d_rhs`` [E, K, N] = lhs_g^T d_out_g per group: jla's ``transposed_ragged_dot`` (no config), and the
@@ -51,12 +52,18 @@ _SPLIT_ROWS = flags.DEFINE_list("split_rows", ["4096", "2048"],
                                 "d_rhs candidate: most rows per virtual group (empty list = skip).")
 _TORCH = flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subprocess (needs torch + CUDA).")
 _TORCH_TIMEOUT = flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
+_EXTRA = flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
 _BUDGET = flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
 
 GROUPINGS = ("balanced", "skewed")
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
 # jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first).
 JLA_CONFIG_NAMES = ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED")
+# Unnamed jla TileConfigs (not GPU-tested by jla; timed after everything else with --extra_configs):
+# half-height row tiles (less padding in the partial tiles of small groups), wider / deeper tiles.
+EXTRA_CONFIGS = (dict(schedule="persistent", block_m=64, block_n=128, steps=6),
+                 dict(schedule="persistent", block_m=64, block_n=256, steps=4),
+                 dict(schedule="persistent", block_k=128, steps=3))
 
 
 def group_sizes(num_rows: int, num_groups: int, kind: str, seed: int = 0) -> np.ndarray:
@@ -284,17 +291,20 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     # constants.
     cands = []
     probe = jnp.zeros((e,), jnp.int32)
+
+    def tile_rows(label, cfg):
+        if cfg is None or not jrd.supports(lhs, rhs, probe, cfg):
+            why = "jla TileConfig refuses it" if cfg is None else f"jla supports() rejects it for K={k}, N={n}"
+            return [("fwd", "jla", label, why, ()), ("d_lhs", "jla", label, why, ())]
+        return [("fwd", "jla", label, jax.jit(
+                    lambda a, b, gs: jrd._ragged_dot_kernel(a, b, gs, transpose_rhs=False, cfg=cfg)),  # noqa: SLF001
+                 (lhs, rhs)),
+                ("d_lhs", "jla", label, jax.jit(
+                    lambda d, b, gs: jrd._ragged_dot_kernel(d, b, gs, transpose_rhs=True, cfg=cfg)),  # noqa: SLF001
+                 (dout, rhs))]
+
     for name in JLA_CONFIG_NAMES:
-        cfg = getattr(jrd, name)
-        if not jrd.supports(lhs, rhs, probe, cfg):
-            cands += [("fwd", "jla", name, None, ()), ("d_lhs", "jla", name, None, ())]
-            continue
-        cands.append(("fwd", "jla", name, jax.jit(
-            lambda a, b, gs, cfg=cfg: jrd._ragged_dot_kernel(a, b, gs, transpose_rhs=False, cfg=cfg)),  # noqa: SLF001
-            (lhs, rhs)))
-        cands.append(("d_lhs", "jla", name, jax.jit(
-            lambda d, b, gs, cfg=cfg: jrd._ragged_dot_kernel(d, b, gs, transpose_rhs=True, cfg=cfg)),  # noqa: SLF001
-            (dout, rhs)))
+        cands += tile_rows(name, getattr(jrd, name))
     cands.append(("d_rhs", "jla", "transposed_ragged_dot", jax.jit(jrd.transposed_ragged_dot), (lhs, dout)))
     for rows in (int(x) for x in _SPLIT_ROWS.value):
         def split_d_rhs(a, d, gs, rows=rows):
@@ -308,6 +318,13 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
             a, b, gs, implementation="jla", preferred_element_type=jnp.bfloat16), a, b)
         return out, vjp(d)
     cands.append(("fwd+bwd", "k3jax dispatch jla", "default", jax.jit(fwd_bwd), (lhs, rhs, dout)))
+    if _EXTRA.value:  # last: the time budget cuts these first
+        for fields in EXTRA_CONFIGS:
+            try:
+                cfg = jrd.TileConfig(**fields)
+            except ValueError:
+                cfg = None
+            cands += tile_rows(", ".join(f"{k}={v}" for k, v in fields.items()), cfg)
 
     ref_fwd = jax.jit(lambda a, b, gs: jax.lax.ragged_dot(a, b, gs, preferred_element_type=f32))
     ref_dlhs = jax.jit(lambda d, b, gs: jax.lax.ragged_dot(d, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=f32))
@@ -322,8 +339,8 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
         for gname, gs_np in groups.items():
             gs = jnp.asarray(gs_np)
             row = dict(impl=impl, config=label, groups=gname, op=op)
-            if fn is None:
-                row["skipped"] = f"jla supports() rejects {label} for K={k}, N={n}"
+            if isinstance(fn, str):
+                row["skipped"] = fn
             elif time.time() - start > _BUDGET.value:
                 row["skipped"] = f"time budget {_BUDGET.value:.0f} s spent"
             else:
