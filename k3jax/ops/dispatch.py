@@ -28,6 +28,7 @@ moe_gemm_h200.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -41,6 +42,8 @@ __all__ = [
     "GPU_PREFERENCE",
     "GROUPED_MATMUL_IMPLEMENTATIONS",
     "GROUPED_MATMUL_SUPPORTED",
+    "JLA_PLAN",
+    "JlaPlan",
     "CapacityDispatch",
     "capacity_dispatch",
     "capacity_moe",
@@ -267,42 +270,108 @@ def split_group_sizes(group_sizes: jax.Array, max_rows: int, num_rows: int) -> t
     return jnp.where(j < piece_end[-1], virtual, 0), owner
 
 
-@jax.custom_vjp
-def _jla_ragged_dot(lhs, rhs, group_sizes):
+@dataclasses.dataclass(frozen=True)
+class JlaPlan:
+    """Static choices of the "jla" adapter for its three GEMMs (issue #5).
+
+    Attributes:
+      forward_config: name of the jla ``TileConfig`` (an attribute of ``jla.ops.mosaic_gpu.ragged_dot``,
+        e.g. "PERSISTENT", "PERSISTENT_WS") of the forward GEMM ``[M, K] x [E, K, N]``, or None for
+        jla's default (``select_config``). Used only where it tiles the forward AND the d_lhs GEMM
+        (jla's ``ragged_dot(config=)`` requires both), else jla's default (fail-closed).
+      d_lhs_config: the same for ``d_lhs = d_out rhs[g]^T`` (contraction N, width K); used only where it
+        tiles that GEMM, else jla's default.
+      d_rhs_split_rows: None: ``d_rhs`` is one ``transposed_ragged_dot`` over the E groups (jla's own
+        backward). An int S >= 1: groups are cut into virtual groups of at most S rows
+        (:func:`split_group_sizes`, ``E + M // S`` of them), the kernel computes each piece's
+        ``lhs_piece^T d_out_piece`` (bf16), and pieces are summed per group in fp32, so one large
+        expert's contraction is spread over more SMs; applied only where ``E + M // S <=``
+        ``LIBRARY_MAX_GROUPS``.
+
+    Raises:
+      ValueError: ``d_rhs_split_rows < 1`` or a config that is neither None nor a name.
+    """
+
+    forward_config: str | None = None
+    d_lhs_config: str | None = None
+    d_rhs_split_rows: int | None = None
+
+    def __post_init__(self):
+        for name in ("forward_config", "d_lhs_config"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be None or a jla TileConfig name; got {value!r}")
+        if self.d_rhs_split_rows is not None and (
+                not isinstance(self.d_rhs_split_rows, int) or self.d_rhs_split_rows < 1):
+            raise ValueError(f"d_rhs_split_rows must be None or an int >= 1; got {self.d_rhs_split_rows=}")
+
+
+# The plan "jla" runs with (implementation=None on an H200 included).
+JLA_PLAN = JlaPlan()
+
+
+def _jla_tile(jla_ragged_dot, name: str | None, contraction: int, width: int, *, both: bool = False):
+    """jla TileConfig ``name`` if it exists and tiles the GEMM (``both``: also the swapped one), else None
+    (= jla's default tiling)."""
+    cfg = None if name is None else getattr(jla_ragged_dot, name, None)
+    if cfg is None or not cfg.divides(contraction, width) or (both and not cfg.divides(width, contraction)):
+        return None
+    return cfg
+
+
+def _jla_d_rhs(jla_ragged_dot, lhs, d_out, group_sizes, num_groups: int, split_rows: int | None):
+    """``d_rhs [E, K, N]`` (bf16) = ``lhs_g^T d_out_g`` per group by jla's ``transposed_ragged_dot``,
+    optionally over virtual groups of at most ``split_rows`` rows summed in fp32 (see :class:`JlaPlan`)."""
+    num_rows = lhs.shape[0]
+    if split_rows is None or num_groups + num_rows // split_rows > LIBRARY_MAX_GROUPS:
+        return jla_ragged_dot.transposed_ragged_dot(lhs, d_out, group_sizes).astype(lhs.dtype)
+    sizes, owner = split_group_sizes(group_sizes, split_rows, num_rows)
+    pieces = jla_ragged_dot.transposed_ragged_dot(lhs, d_out, sizes)
+    total = jax.ops.segment_sum(pieces.astype(jnp.float32), owner, num_groups, indices_are_sorted=True)
+    return total.astype(lhs.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _jla_ragged_dot(lhs, rhs, group_sizes, plan):
     from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415 -- optional GPU dependency
 
-    return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes)
+    cfg = _jla_tile(jla_ragged_dot, plan.forward_config, rhs.shape[1], rhs.shape[2], both=True)
+    if cfg is None:
+        return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes)
+    return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes, config=cfg)
 
 
-def _jla_ragged_dot_fwd(lhs, rhs, group_sizes):
-    return _jla_ragged_dot(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def _jla_ragged_dot_fwd(lhs, rhs, group_sizes, plan):
+    return _jla_ragged_dot(lhs, rhs, group_sizes, plan), (lhs, rhs, group_sizes)
 
 
-def _jla_ragged_dot_bwd(residuals, d_out):
+def _jla_ragged_dot_bwd(plan, residuals, d_out):
     from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415
 
     lhs, rhs, group_sizes = residuals
     d_out = d_out.astype(lhs.dtype)
     k, n = rhs.shape[1], rhs.shape[2]
-    # jla 0.1.0's own backward (ragged_dot._ragged_dot_bwd), with the manual-axis types fixed for
-    # shard_map: d_lhs = d_out rhs[g]^T by the transposed-rhs kernel, d_rhs = lhs^T d_out per group.
-    d_lhs = jla_ragged_dot._ragged_dot_kernel(  # noqa: SLF001 -- pinned jla 0.1.0
-        d_out, rhs, group_sizes, transpose_rhs=True, cfg=jla_ragged_dot._config_for(None, n, k))  # noqa: SLF001
+    # jla 0.1.0's own backward (ragged_dot._ragged_dot_bwd) with the plan's tilings, and the manual-axis
+    # types fixed for shard_map: d_lhs = d_out rhs[g]^T by the transposed-rhs kernel, d_rhs = lhs^T d_out
+    # per group (or per virtual group, summed).
+    cfg = jla_ragged_dot._config_for(_jla_tile(jla_ragged_dot, plan.d_lhs_config, n, k), n, k)  # noqa: SLF001
+    d_lhs = jla_ragged_dot._ragged_dot_kernel(d_out, rhs, group_sizes, transpose_rhs=True, cfg=cfg)  # noqa: SLF001
     d_lhs = _mask_tail_rows(d_lhs, group_sizes)
-    d_rhs = jla_ragged_dot.transposed_ragged_dot(lhs, d_out, group_sizes).astype(rhs.dtype)
-    return _match_varying_axes(d_lhs, lhs), _match_varying_axes(d_rhs, rhs), None
+    d_rhs = _jla_d_rhs(jla_ragged_dot, lhs, d_out, group_sizes, rhs.shape[0], plan.d_rhs_split_rows)
+    return _match_varying_axes(d_lhs, lhs), _match_varying_axes(d_rhs.astype(rhs.dtype), rhs), None
 
 
 _jla_ragged_dot.defvjp(_jla_ragged_dot_fwd, _jla_ragged_dot_bwd)
 
 
-def _jla_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type):
+def _jla_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, plan: JlaPlan | None = None):
     """jax-linear-attention 0.1.0 Mosaic GPU grouped GEMM (``jla.ops.mosaic_gpu.ragged_dot``): forward
     and d_lhs by its ragged kernel, d_rhs by its transposed kernel, bf16 cotangent; our VJP repeats
-    jla's and marks the cotangents' manual mesh axes (so it runs under ``jax.shard_map``). Its output
-    has the operand dtype: an fp32 result is the bf16 output cast up (fp32 accumulation, bf16
-    rounding of the result)."""
-    return _jla_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32)).astype(preferred_element_type)
+    jla's with the static choices of ``plan`` (default :data:`JLA_PLAN`) and marks the cotangents'
+    manual mesh axes (so it runs under ``jax.shard_map``). Its output has the operand dtype: an fp32
+    result is the bf16 output cast up (fp32 accumulation, bf16 rounding of the result)."""
+    plan = JLA_PLAN if plan is None else plan
+    return _jla_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), plan).astype(preferred_element_type)
 
 
 def _jla_supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:
