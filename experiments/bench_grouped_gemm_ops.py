@@ -15,7 +15,8 @@ seed 0: one group holds ~38% of the rows) group sizes, at M=32768, K=2048, N=102
   candidate fix of issue #5: groups cut into virtual groups of at most ``--split_rows`` rows
   (:func:`k3jax.ops.dispatch.split_group_sizes`), partial products summed per group in fp32;
 * ``fwd+bwd`` through ``k3jax.ops.dispatch.grouped_matmul(implementation="jla")`` (bf16 output and
-  cotangent), the number issue #5 judges;
+  cotangent), the number issue #5 judges, and through the jla adapter with each candidate
+  ``JlaPlan`` of ``PLANS`` (static tilings / d_rhs split);
 * torch._grouped_mm forward, d_lhs (``_grouped_mm(d_out, rhs^T, offs)``), d_rhs
   (``_grouped_mm(lhs^T, d_out, offs)``) and fwd+bwd (autograd) in a torch subprocess of the same call,
   same group sizes and dtypes; the direct d_lhs / d_rhs are checked against autograd's gradients.
@@ -53,12 +54,19 @@ _SPLIT_ROWS = flags.DEFINE_list("split_rows", ["4096", "2048"],
 _TORCH = flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subprocess (needs torch + CUDA).")
 _TORCH_TIMEOUT = flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
 _EXTRA = flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
+_PLANS = flags.DEFINE_bool("plans", True, "Also time fwd+bwd through the jla adapter with each of PLANS.")
 _BUDGET = flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
 
 GROUPINGS = ("balanced", "skewed")
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
 # jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first).
 JLA_CONFIG_NAMES = ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED")
+# Candidate static choices of the jla adapter (k3jax.ops.dispatch.JlaPlan fields), timed end to end.
+PLANS = {"d_rhs split 4096": dict(d_rhs_split_rows=4096),
+         "d_rhs split 2048": dict(d_rhs_split_rows=2048),
+         "PERSISTENT_WS fwd + d_lhs": dict(forward_config="PERSISTENT_WS", d_lhs_config="PERSISTENT_WS"),
+         "PERSISTENT_WS + split 4096": dict(forward_config="PERSISTENT_WS", d_lhs_config="PERSISTENT_WS",
+                                             d_rhs_split_rows=4096)}
 # Unnamed jla TileConfigs (not GPU-tested by jla; timed after everything else with --extra_configs):
 # half-height row tiles (less padding in the partial tiles of small groups), wider / deeper tiles.
 EXTRA_CONFIGS = (dict(schedule="persistent", block_m=64, block_n=128, steps=6),
@@ -318,6 +326,14 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
             a, b, gs, implementation="jla", preferred_element_type=jnp.bfloat16), a, b)
         return out, vjp(d)
     cands.append(("fwd+bwd", "k3jax dispatch jla", "default", jax.jit(fwd_bwd), (lhs, rhs, dout)))
+    if _PLANS.value:
+        for label, fields in PLANS.items():
+            plan = dispatch.JlaPlan(**fields)
+
+            def plan_fwd_bwd(a, b, d, gs, plan=plan):
+                out, vjp = jax.vjp(lambda a, b: dispatch._jla_grouped_matmul(a, b, gs, jnp.bfloat16, plan), a, b)  # noqa: SLF001
+                return out, vjp(d)
+            cands.append(("fwd+bwd", "k3jax jla plan", label, jax.jit(plan_fwd_bwd), (lhs, rhs, dout)))
     if _EXTRA.value:  # last: the time budget cuts these first
         for fields in EXTRA_CONFIGS:
             try:

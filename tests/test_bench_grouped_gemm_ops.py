@@ -85,16 +85,19 @@ _DRIVER = textwrap.dedent("""
     from k3jax.ops import dispatch as D
     # Stand-ins for jla 0.1.0's kernels (the signatures the script calls), computed by XLA ragged ops.
     leaf = types.ModuleType("jla.ops.mosaic_gpu.ragged_dot")
+    class Tile(types.SimpleNamespace):
+        def divides(self, k, n):
+            return True
     for name in ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED"):
-        setattr(leaf, name, name)
-    leaf.supports = lambda lhs, rhs, gs, config=None: config != "BLOCK_ALIGNED"
+        setattr(leaf, name, Tile(name=name))
+    leaf.supports = lambda lhs, rhs, gs, config=None: getattr(config, "name", None) != "BLOCK_ALIGNED"
     def tile_config(**fields):  # jla's TileConfig refuses some tilings in __post_init__
         if fields.get("block_k") == 128:
             raise ValueError("unsupported")
-        return fields
+        return Tile(**fields)
     leaf.TileConfig = tile_config
-    leaf._config_for = lambda config, k, n: (k, n)
-    leaf.ragged_dot = lambda lhs, rhs, gs: jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+    leaf._config_for = lambda config, k, n: leaf.PERSISTENT if config is None else config
+    leaf.ragged_dot = lambda lhs, rhs, gs, config=None: jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
     leaf._ragged_dot_kernel = lambda lhs, rhs, gs, *, transpose_rhs, cfg: jax.lax.ragged_dot(
         lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, gs).astype(lhs.dtype)
     leaf.transposed_ragged_dot = lambda lhs, d_out, gs: jax.lax.ragged_dot_general(
@@ -128,6 +131,7 @@ def test_jax_rows_end_to_end_with_stand_in_kernels(tmp_path):
     assert [(r["op"], r["config"]) for r in rows[::2]] == [
         *((op, c) for c in B.JLA_CONFIG_NAMES for op in ("fwd", "d_lhs")),
         ("d_rhs", "transposed_ragged_dot"), ("d_rhs", "max_rows=64"), ("fwd+bwd", "default"),
+        *(("fwd+bwd", label) for label in B.PLANS),
         *((op, c) for c in extras for op in ("fwd", "d_lhs"))]
     assert [r["groups"] for r in rows] == ["balanced", "skewed"] * (len(rows) // 2)
     for r in rows:
