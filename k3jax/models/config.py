@@ -53,6 +53,7 @@ class ModelConfig:
       moe_aux_loss_alpha: None = the method's default (1e-2 Switch, 1e-4 sequence-wise).
       moe_quantile_estimator: "exact" or "histogram" (Quantile Balancing).
       moe_histogram_bins, moe_ema: histogram bins; optional EMA of the QB bias over steps.
+      moe_histogram_passes: 1 (K3) or 2 (refinement histogram inside the quantile's bin, bins² resolution).
       moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
       moe_dispatch_implementation: grouped-matmul implementation of the dropless experts (None = the
         best one tested for the call, see `k3jax.ops.dispatch.grouped_matmul`; checked by the layer).
@@ -89,6 +90,7 @@ class ModelConfig:
     moe_aux_loss_alpha: float | None = None
     moe_quantile_estimator: str = "exact"
     moe_histogram_bins: int = 1000
+    moe_histogram_passes: int = 1
     moe_ema: float | None = None
     moe_capacity_factor: float | None = None
     moe_dispatch_implementation: str | None = None
@@ -138,7 +140,8 @@ class ModelConfig:
         try:
             return BalancingConfig(method=self.moe_balancing, aux_loss_alpha=self.moe_aux_loss_alpha,
                                    quantile_estimator=self.moe_quantile_estimator,
-                                   histogram_bins=self.moe_histogram_bins, ema=self.moe_ema)
+                                   histogram_bins=self.moe_histogram_bins, ema=self.moe_ema,
+                                   histogram_passes=self.moe_histogram_passes)
         except ValueError as e:
             raise ValueError(f"model.moe_balancing settings: {e}") from e
 

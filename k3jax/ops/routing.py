@@ -40,6 +40,7 @@ import jax.numpy as jnp
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCING_METHODS = ("none", "aux_loss", "seq_aux_loss", "loss_free", "quantile", "quantile_threshold")
 QUANTILE_ESTIMATORS = ("exact", "histogram")
+HISTOGRAM_PASSES = (1, 2)
 
 __all__ = [
     "BALANCING_METHODS",
@@ -484,6 +485,26 @@ def _exact_quantile(
     return value, n > 0
 
 
+def _histogram_counts(idx: jax.Array, weights: jax.Array, bins: int, axis_names: Sequence[str]) -> jax.Array:
+    """int32 ``[E, bins]`` counts of bin indices ``idx [N, E]`` with int32 ``weights [N, E]``, psum'ed."""
+    num_experts = idx.shape[1]
+    flat = (jnp.arange(num_experts, dtype=jnp.int32)[None, :] * bins + idx).reshape(-1)
+    counts = jnp.zeros((num_experts * bins,), jnp.int32).at[flat].add(weights.reshape(-1))
+    return _psum(counts.reshape(num_experts, bins), axis_names)
+
+
+def _read_cdf(counts: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per expert: the first bin ``m`` whose cumulative count reaches ``target``, the count before it,
+    and the in-bin fraction ``(target − before) / count_m`` clipped to [0, 1]."""
+    bins = counts.shape[1]
+    cdf = jnp.cumsum(counts, axis=1)
+    m = jnp.minimum(jnp.sum((cdf.astype(jnp.float32) < target[:, None]).astype(jnp.int32), axis=1), bins - 1)
+    c_m = jnp.take_along_axis(counts, m[:, None], axis=1)[:, 0].astype(jnp.float32)
+    before = jnp.take_along_axis(cdf, m[:, None], axis=1)[:, 0].astype(jnp.float32) - c_m
+    frac = jnp.clip((target - before) / jnp.maximum(c_m, 1.0), 0.0, 1.0)
+    return m, before, frac
+
+
 def _histogram_quantile(
     margins: jax.Array,
     mask: jax.Array,
@@ -492,24 +513,30 @@ def _histogram_quantile(
     hi: jax.Array,
     bins: int,
     axis_names: Sequence[str],
+    passes: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-    num_tokens, num_experts = margins.shape
     width = (hi - lo) / bins
     idx = jnp.clip(jnp.floor((margins - lo) / width).astype(jnp.int32), 0, bins - 1)  # [N, E]
-    flat = (jnp.arange(num_experts, dtype=jnp.int32)[None, :] * bins + idx).reshape(-1)
-    weights = jnp.broadcast_to(mask[:, None], margins.shape).reshape(-1).astype(jnp.int32)
-    counts = jnp.zeros((num_experts * bins,), jnp.int32).at[flat].add(weights)
-    counts = _psum(counts.reshape(num_experts, bins), axis_names)  # [E, bins] int32, pooled
-    cdf = jnp.cumsum(counts, axis=1)
-    n = cdf[:, -1]  # [E], identical for every expert
+    valid = jnp.broadcast_to(mask[:, None], margins.shape).astype(jnp.int32)
+    counts = _histogram_counts(idx, valid, bins, axis_names)  # [E, bins] int32, pooled
+    n = jnp.sum(counts, axis=1)  # [E], identical for every expert
     target = jnp.float32(level) * (jnp.maximum(n, 1) - 1).astype(jnp.float32) + 0.5  # [E]
-    m = jnp.sum((cdf.astype(jnp.float32) < target[:, None]).astype(jnp.int32), axis=1)
-    m = jnp.minimum(m, bins - 1)
-    c_m = jnp.take_along_axis(counts, m[:, None], axis=1)[:, 0].astype(jnp.float32)
-    before = jnp.take_along_axis(cdf, m[:, None], axis=1)[:, 0].astype(jnp.float32) - c_m
-    frac = jnp.clip((target - before) / jnp.maximum(c_m, 1.0), 0.0, 1.0)
-    value = lo + width * (m.astype(jnp.float32) + frac)
-    return value, n > 0
+    m, before, frac = _read_cdf(counts, target)
+    if passes == 1:
+        return lo + width * (m.astype(jnp.float32) + frac), n > 0
+    # Second pass: re-bin only the margins of bin m_j (same index, so the same members, clipped
+    # outliers included) into `bins` sub-bins of width w / bins, one more psum, and read the pooled
+    # sub-CDF at the count left over inside bin m_j.
+    # The sub-bin index is the global fine index (bins² bins over [lo, hi]) minus m_j·bins, from one
+    # multiply by a scale computed once (no per-element division that XLA may fuse differently in
+    # a sharded and a pooled program); members whose rounding disagrees land in an end sub-bin.
+    fine_scale = jnp.float32(bins * bins) / (hi - lo)
+    fine_global = jnp.floor((margins - lo) * fine_scale).astype(jnp.int32)
+    fine_idx = jnp.clip(fine_global - m[None, :] * bins, 0, bins - 1)
+    in_bin = valid * (idx == m[None, :]).astype(jnp.int32)
+    fine_counts = _histogram_counts(fine_idx, in_bin, bins, axis_names)
+    m2, _, frac2 = _read_cdf(fine_counts, target - before)
+    return lo + (hi - lo) * ((m * bins + m2).astype(jnp.float32) + frac2) / jnp.float32(bins * bins), n > 0
 
 
 def quantile_bias(
@@ -520,6 +547,7 @@ def quantile_bias(
     token_mask: jax.Array | None = None,
     estimator: str = "exact",
     histogram_bins: int = 1000,
+    histogram_passes: int = 1,
     center: bool = True,
     axis_names: Sequence[str] = (),
 ) -> jax.Array:
@@ -543,13 +571,22 @@ def quantile_bias(
     interpolation at cumulative count ``p·(N−1) + 1/2`` (sample i sits at count i + 1/2, matching the
     exact convention). Guarantee: with bin width w, the estimate lies in ``[r_(q) − w, r_(q+1) + w]``
     (one bin around the exact bracket); on dense margins it is within one bin of the exact value.
+    ``histogram_passes=2`` refines: a second int32 ``[E, bins]`` histogram of the margins that fell in
+    the bin holding expert j's quantile (the same bin index, so the same tokens), over that bin split
+    into ``bins`` sub-bins, summed with a second ``psum`` over the same axes; the quantile is read from
+    it at the count remaining inside the bin, so the resolution is ``(max b − min b + 2) / bins²``
+    and the guarantee holds with w replaced by that fine width (fp32 margins: useful down to a fine
+    width of ~1e-6 at |r| ~ 1). It answers the stall of the 1-pass estimator when the margins are
+    far narrower than the range (E = 32 softmax: one 1000-bin bin holds up to ~3x the quota; see
+    experiments/results/qb_convergence.md). Costs one more scatter-add over [N, E] and one more psum.
 
     Args:
       margins: ``[N, E]`` fp32 from :func:`quantile_margins`. top_k: k (level k/E).
       bias: ``[E]`` fp32 current bias (histogram range; returned unchanged where no token is valid).
       token_mask: ``[N]`` bool, padding excluded. estimator: ``"exact"`` (sort; inside shard_map it
         all-gathers the margins over ``axis_names``) or ``"histogram"``.
-      histogram_bins: number of bins (K3: 1000). center: subtract ``mean(b̂)`` (the method; top-k
+      histogram_bins: number of bins (K3: 1000). histogram_passes: 1 (K3 App. D) or 2 (second
+        refinement histogram inside the quantile's bin, bins² resolution). center: subtract ``mean(b̂)`` (the method; top-k
         selection is invariant to a common shift once the cutoffs are recomputed). ``center=False``
         returns ``b̂`` itself, the per-expert LP column solution at fixed cutoffs.
       axis_names: mesh axes the tokens are sharded over.
@@ -558,7 +595,7 @@ def quantile_bias(
       ``[E]`` fp32 bias for the NEXT step (zero-mean when ``center``).
 
     Raises:
-      ValueError: unknown estimator, bad shapes, ``histogram_bins < 1``.
+      ValueError: unknown estimator, bad shapes, ``histogram_bins < 1``, ``histogram_passes`` not 1 or 2.
     """
     _check_scores(margins, "margins")
     num_tokens, num_experts = margins.shape
@@ -567,6 +604,8 @@ def quantile_bias(
         raise ValueError(f"estimator must be one of {QUANTILE_ESTIMATORS}; got {estimator=}")
     if histogram_bins < 1:
         raise ValueError(f"histogram_bins must be >= 1; got {histogram_bins=}")
+    if histogram_passes not in HISTOGRAM_PASSES:
+        raise ValueError(f"histogram_passes must be one of {HISTOGRAM_PASSES}; got {histogram_passes=}")
     mask = _token_mask(token_mask, num_tokens)
     level = top_k / num_experts
     margins = jax.lax.stop_gradient(margins.astype(jnp.float32))
@@ -576,7 +615,8 @@ def quantile_bias(
     else:
         lo = jnp.min(bias) - 1.0
         hi = jnp.max(bias) + 1.0
-        b_hat, ok = _histogram_quantile(margins, mask, level, lo, hi, histogram_bins, axis_names)
+        b_hat, ok = _histogram_quantile(margins, mask, level, lo, hi, histogram_bins, axis_names,
+                                        histogram_passes)
     b_hat = jnp.where(ok, b_hat, bias)
     return b_hat - jnp.mean(b_hat) if center else b_hat
 
@@ -777,6 +817,7 @@ class BalancingConfig:
       loss_free_gamma: γ of ``"loss_free"`` (1e-3).
       quantile_estimator: ``"exact"`` or ``"histogram"`` for ``"quantile"``.
       histogram_bins: bins of the histogram estimator (K3: 1000).
+      histogram_passes: 1 (K3) or 2 (a refinement histogram inside the quantile's bin: bins² resolution).
       ema: None, or β in [0, 1): ``"quantile"`` then returns ``β·b + (1−β)·b_new``.
       high_percentile, low_percentile: ``"quantile_threshold"`` load percentiles (seed: 95 / 5).
       tolerance: ``"quantile_threshold"`` absolute relative-load tolerance.
@@ -789,6 +830,7 @@ class BalancingConfig:
     loss_free_gamma: float = 1e-3
     quantile_estimator: str = "exact"
     histogram_bins: int = 1000
+    histogram_passes: int = 1
     ema: float | None = None
     high_percentile: float = 95.0
     low_percentile: float = 5.0
@@ -805,6 +847,8 @@ class BalancingConfig:
             )
         if self.histogram_bins < 1:
             raise ValueError(f"histogram_bins must be >= 1; got {self.histogram_bins=}")
+        if self.histogram_passes not in HISTOGRAM_PASSES:
+            raise ValueError(f"histogram_passes must be one of {HISTOGRAM_PASSES}; got {self.histogram_passes=}")
         if self.ema is not None and not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be None or in [0, 1); got {self.ema=}")
         if self.window < 1:
@@ -925,7 +969,7 @@ def balance(
         new = quantile_bias(
             margins, routing.expert_ids.shape[-1], bias=bias, token_mask=token_mask,
             estimator=config.quantile_estimator, histogram_bins=config.histogram_bins,
-            axis_names=axis_names,
+            histogram_passes=config.histogram_passes, axis_names=axis_names,
         )
         next_bias = new if config.ema is None else config.ema * bias + (1.0 - config.ema) * new
     elif method == "quantile_threshold":
