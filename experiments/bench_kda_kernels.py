@@ -23,12 +23,27 @@ run per segment.
 
 Run (GPU): python -m experiments.bench_kda_kernels --shapes=8x4096x16x128,1x65536x16x128 \
              --out=$OUT/kda_kernels.json
+
+Profiling by ablation (--ablate=none,scores,solve,...; first shape only; replaces the rows above):
+one row per (kernel, ablation, num_warps) with the kernel time only (no errors: an ablated kernel
+computes WRONG results, only its time means something). An ablation removes a named piece of the
+kernel body (common.FWD_ABLATIONS / BWD_ABLATIONS / STATE_ABLATIONS; "a+b" removes both; "none" is
+the kernel as shipped), so `ms(none) - ms(piece)` is what the piece costs in context. Kernels:
+--ablate_kernels (intra_fwd, intra_fwd_save, state_fwd, intra_bwd; a name a kernel does not know is
+skipped for it), each at every --ablate_warps value. Inputs are random of the right shapes and
+dtypes (the kernels' times do not depend on the values). All rows are lowered and compiled in
+--compile_threads threads first, then timed one by one in order; --time_budget_s stops the run (the
+JSON keeps the rows done).
+  python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --ablate=none,compute,scores \
+      --ablate_warps=8,4 --time_budget_s=130 --out=$OUT/kda_profile.json
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import functools
 import json
+import os
 import statistics
 import time
 
@@ -61,6 +76,15 @@ flags.DEFINE_integer("chunked_max_t", 16384, "skip the XLA chunked op above this
                      "over T / 64 chunks is slow to compile and run; shared/bench/jla_anchor.py skips "
                      "it there too)")
 flags.DEFINE_bool("interpret", False, "Pallas interpret mode (a CPU smoke run of this script only)")
+flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as shipped; 'a+b' = "
+                  "both); empty = the normal rows")
+flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
+                  "intra_fwd, intra_fwd_save, state_fwd, intra_bwd")
+flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
+                  "row is timed at every value; state_fwd uses them too)")
+flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
+flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
+                   "seconds since the start (0 = no limit)")
 
 LOWER_BOUND = -5.0
 CHUNK = ops.CHUNK_SIZE
@@ -210,6 +234,103 @@ def time_op(name, fn, B, T, H, K, iters, warmup):
             f"{name}_fwd_bwd": median_ms(fb, q, k, v, g, beta, **kw)}
 
 
+ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS, "intra_fwd_save": common.FWD_ABLATIONS,
+                  "state_fwd": common.STATE_ABLATIONS, "intra_bwd": common.BWD_ABLATIONS}
+
+
+def profile_inputs(B, T, H, K):
+    """Random device inputs of every profiled kernel at one shape (K = V; bf16 as the op stores)."""
+    C = CHUNK
+    NT = T // C
+    q, k, v, g, beta, do = make_inputs(B, T, H, K, head_major=False)
+    ks = jax.random.split(jax.random.PRNGKey(1), 11)
+    nrm = lambda i, shp, dt, s=1.0: (s * jax.random.normal(ks[i], shp, jnp.float32)).astype(dt)
+    fdt = ops.factor_dtypes(q.dtype)
+    sdt = ops.saved_state_dtype(q.dtype)
+    fac = (nrm(0, (B, H, T, K), fdt[0]), nrm(1, (B, H, T, K), fdt[1]), nrm(2, (B, H, T, K), fdt[2]),
+           nrm(3, (B, H, T, K), fdt[3]), nrm(4, (B, H, T, C), fdt[4], 0.1),
+           jnp.exp(nrm(5, (B, H, NT, K), jnp.float32, 0.1) - 1.0))
+    h0 = jnp.zeros((B, H, K, K), jnp.float32)
+    du = nrm(6, (B, H, T, K), jnp.float32)
+    h, dh = nrm(7, (B, H, NT, K, K), sdt), nrm(8, (B, H, NT, K, K), sdt)
+    A, M = nrm(9, (B, H, T, C), jnp.float32, 0.1), nrm(10, (B, H, T, C), jnp.float32, 0.1)
+    w, u = fac[2], fac[3]
+    return {"intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
+            "state_fwd": (fac, h0),
+            "intra_bwd": (q, k, v, g, beta, do, du, h, dh, w, u, A, M)}
+
+
+def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bool):
+    """The jittable callable of one profiled kernel with the private _ablate / _params options."""
+    sc = K ** -0.5
+    fdt = ops.factor_dtypes(jnp.bfloat16)
+    params = common.pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    if kernel in ("intra_fwd", "intra_fwd_save"):
+        return lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                        factor_dtype=fdt, save_solve=kernel == "intra_fwd_save",
+                                        _ablate=ablate, _params=params)
+    if kernel == "state_fwd":
+        return lambda fac, h0: fwd.state_fwd(
+            *fac, h0, chunk_size=CHUNK, block_v=min(K, 64), interpret=interpret,
+            out_dtype=jnp.bfloat16, precision=common.mm_precision(jnp.bfloat16),
+            state_dtype=ops.saved_state_dtype(jnp.bfloat16), _ablate=ablate, _params=params)
+    if kernel == "intra_bwd":
+        return lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                        _ablate=ablate, _params=params)
+    raise ValueError(f"{kernel=} is not a profiled kernel; expected one of {tuple(ABLATION_NAMES)}")
+
+
+def profile(res, save, t_start):
+    """The --ablate mode: one row per (kernel, ablation, num_warps), kernel time only.
+
+    Phase 1 lowers and compiles every row in --compile_threads threads (until 75% of
+    --time_budget_s); phase 2 times the compiled rows one by one in order, with no compile running
+    (so the host threads do not disturb the timing).
+    """
+    B, T, H, K = (int(x) for x in FLAGS.shapes[0].split("x"))
+    inputs = profile_inputs(B, T, H, K)
+    res["mode"] = "ablation profile (kernel times only; ablated results are wrong)"
+    rows = []
+    for kernel in FLAGS.ablate_kernels:
+        for spec in FLAGS.ablate:
+            ablate = () if spec == "none" else tuple(spec.split("+"))
+            if any(a not in ABLATION_NAMES[kernel] for a in ablate):
+                continue
+            for nw in FLAGS.ablate_warps:
+                rows.append({"shape": FLAGS.shapes[0], "kernel": kernel, "ablate": spec,
+                             "num_warps": int(nw)})
+
+    def build(row):
+        ablate = () if row["ablate"] == "none" else tuple(row["ablate"].split("+"))
+        t0 = time.perf_counter()
+        fn = profile_fn(row["kernel"], ablate, row["num_warps"], K, FLAGS.interpret)
+        exe = jax.jit(fn).lower(*inputs[row["kernel"]]).compile()
+        return exe, time.perf_counter() - t0
+
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, FLAGS.compile_threads))
+    futures = [pool.submit(build, row) for row in rows]
+    deadline = 0.75 * FLAGS.time_budget_s if FLAGS.time_budget_s else None
+    remaining = None if deadline is None else max(1.0, deadline - (time.perf_counter() - t_start))
+    concurrent.futures.wait(futures, timeout=remaining)
+    res["compile_phase_s"] = time.perf_counter() - t_start
+    for row, fut in zip(rows, futures):
+        if FLAGS.time_budget_s and time.perf_counter() - t_start > FLAGS.time_budget_s:
+            res["cut"] = f"time budget {FLAGS.time_budget_s} s reached before this row: {row}"
+            break
+        res["rows"].append(row)
+        try:
+            if not fut.done():
+                raise TimeoutError("not compiled within 75% of --time_budget_s")
+            exe, row["compile_s"] = fut.result()
+            row["ms"] = median_ms(exe, *inputs[row["kernel"]], iters=FLAGS.iters, warmup=FLAGS.warmup)
+        except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
+            row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+        save()
+        print(json.dumps(row), flush=True)
+    pool.shutdown(wait=False, cancel_futures=True)
+    save()
+
+
 def main(argv):
     del argv
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -219,6 +340,10 @@ def main(argv):
     def save():
         with open(FLAGS.out, "w") as fh:
             json.dump(res, fh, indent=1)
+
+    if FLAGS.ablate:
+        profile(res, save, time.perf_counter())
+        os._exit(0)                          # do not wait for compiles cancelled by the budget
 
     for s in FLAGS.shapes:
         B, T, H, K = (int(x) for x in s.split("x"))

@@ -218,6 +218,48 @@ class TestTritonLowering:
                 assert text.count("__gpu$xla.gpu.triton") == n_calls
 
 
+class TestProfilingAblations:
+    """The private `_ablate` option of the intra / state kernels (profiling by ablation; timing only).
+
+    Each named ablation must change the kernel (else its GPU row would time the unablated kernel
+    under a wrong name) and still lower to one Triton call; unknown names raise; the default `()` is
+    the shipped kernel bit for bit. Values of ablated kernels are wrong by design and not compared.
+    """
+
+    def test_every_ablation_lowers_and_changes_the_kernel(self):
+        from experiments import bench_kda_kernels as bk
+        K = 128
+        inputs = jax.eval_shape(lambda: bk.profile_inputs(1, 128, 2, K))
+        with _fake_h200():
+            for kernel, names in bk.ABLATION_NAMES.items():
+                texts = {}
+                for ablate in ((),) + tuple((n,) for n in names):
+                    lowered = jax.jit(bk.profile_fn(kernel, ablate, 4, K, False)).trace(
+                        *inputs[kernel]).lower(lowering_platforms=("cuda",))
+                    texts[ablate] = lowered.as_text()
+                    assert texts[ablate].count("__gpu$xla.gpu.triton") == 1, (kernel, ablate)
+                unchanged = [a for a in texts if a and texts[a] == texts[()]]
+                assert not unchanged, (kernel, unchanged)
+
+    def test_unknown_ablation_raises(self):
+        from pallas_kernels.kda import fwd
+        x = make_kda_inputs(jax.random.PRNGKey(3), 1, 64, 1, 16)
+        with pytest.raises(ValueError, match="_ablate"):
+            fwd.intra_fwd(*_args(x), scale=0.25, chunk_size=64, interpret=True, _ablate=("dL",))
+
+    def test_no_ablation_is_the_shipped_kernel(self):
+        from pallas_kernels.kda import fwd
+        x = make_kda_inputs(jax.random.PRNGKey(3), 1, 64, 1, 16, dtype=jnp.bfloat16)
+        x["g"] = x["g"].astype(jnp.float32)
+        kw = dict(scale=0.25, chunk_size=64, interpret=True, factor_dtype=jnp.bfloat16)
+        shipped = fwd.intra_fwd(*_args(x), **kw)
+        explicit = fwd.intra_fwd(*_args(x), _ablate=(), **kw)
+        ablated = fwd.intra_fwd(*_args(x), _ablate=("scores",), **kw)
+        for a, b in zip(shipped, explicit):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert not np.array_equal(np.asarray(shipped[4], np.float32), np.asarray(ablated[4], np.float32))
+
+
 @pytest.mark.gpu
 class TestPallasGPU(TestPallasInterpret):
     """The same checks compiled for the GPU (Triton lowering), at K = V = 128 and T up to 8192."""

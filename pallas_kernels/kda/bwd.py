@@ -105,17 +105,23 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                       w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
-                      dtype):
+                      dtype, ablate=frozenset()):
+    if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
+        _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                           w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref)
+        return
     C = q_ref.shape[0]
-    gate = cm.Gate(g_ref[...].astype(F32))
+    gate = cm.Gate(g_ref[...].astype(F32), ablate)
     G, G_last = gate.G, gate.G_last
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
     v = v_ref[...].astype(F32)
     b = beta_ref[...].astype(F32)[:, None]
-    p = cm.mm_precision(dtype)
-    exact = cm.exact_precision(dtype)
+    p = cm.BF16_OPERANDS if "bf16_dots" in ablate else cm.mm_precision(dtype)
+    exact = p if "exact_dots" in ablate else cm.exact_precision(dtype)
     rows, cols = cm.iotas(C, C)
+    ones = jnp.ones((1, C), F32)
+    rs = cm.row_sums
 
     # The forward's solve and factors (saved, not recomputed); X, Y are elementwise.
     A = a_ref[...]
@@ -130,11 +136,16 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dSt = dh_ref[...].astype(F32)
     do = do_ref[...].astype(F32)
     dU = du_ref[...].astype(F32)
-    vp = u_ref[...].astype(F32) - cm.dot_nt(w_ref[...].astype(F32), St, p)
-    dqg = cm.dot(do, St, p)
-    dW = -cm.dot(dU, St, p)
-    dkd = cm.dot(vp, dSt, p)
-    daqk = cm.dot_nt(do, vp, p)
+    if "state_products" in ablate:
+        vp = u_ref[...].astype(F32)
+        dqg, dW, dkd = q * rs(do), -w_ref[...].astype(F32) * rs(dU), k * rs(vp)
+        daqk = rs(do) * ones
+    else:
+        vp = u_ref[...].astype(F32) - cm.dot_nt(w_ref[...].astype(F32), St, p)
+        dqg = cm.dot(do, St, p)
+        dW = -cm.dot(dU, St, p)
+        dkd = cm.dot(vp, dSt, p)
+        daqk = cm.dot_nt(do, vp, p)
     dgl = jnp.sum(St * dSt, axis=0, keepdims=True)
 
     # Qg = scale q e^G and Kd = k e^{G_last - G}; e^{G_last} from the state decay.
@@ -148,16 +159,25 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dG_last = jnp.exp(G_last) * dgl + jnp.sum(t, axis=0, keepdims=True)
 
     # W = A X, U = A Y.
-    dX = cm.dot_tn(A, dW, p)
-    dY = cm.dot_tn(A, dU, p)
+    if "dXY" in ablate:
+        dX, dY = dW, dU
+    else:
+        dX = cm.dot_tn(A, dW, p)
+        dY = cm.dot_tn(A, dU, p)
     dk = dk + b * eG * dX
     dG = dG + X * dX
     dv = b * dY
     dbeta = (jnp.sum(eG * k * dX, axis=1, keepdims=True)
              + jnp.sum(v * dY, axis=1, keepdims=True))
     # A = (I + L)^-1: dL = -A^T dA A^T on the strict lower triangle (dA restricted to A's support).
-    dA = jnp.where(rows >= cols, cm.dot_nt(dW, X, p) + cm.dot_nt(dU, Y, p), 0.0)
-    dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
+    if "dA" in ablate:
+        dA = jnp.where(rows >= cols, (rs(dW) + rs(A)) * ones, 0.0)
+    else:
+        dA = jnp.where(rows >= cols, cm.dot_nt(dW, X, p) + cm.dot_nt(dU, Y, p), 0.0)
+    if "dL" in ablate:
+        dL = jnp.where(rows > cols, dA, 0.0)
+    else:
+        dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
     dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
     dM = b * dL
     dAqk = jnp.where(rows >= cols, daqk, 0.0)
@@ -174,12 +194,16 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     kbd = k * ebd
     dm_d = jnp.where(rb == cb, dM, 0.0)
     dq_d = jnp.where(rb == cb, dAqk, 0.0)
-    sa_m = cm.dot(dm_d, kbd, exact)
-    sa_q = cm.dot(dq_d, kbd, exact)
-    sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
+    if "score_diag" in ablate:
+        sa_m, sa_q = kbd * rs(dm_d), kbd * rs(dq_d)
+        sb = ebd * (kt * rs(dm_d) + qt * rs(dq_d))
+    else:
+        sa_m = cm.dot(dm_d, kbd, exact)
+        sa_q = cm.dot(dq_d, kbd, exact)
+        sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
     dm_o = jnp.where(rb > cb, dM, 0.0)
     dq_o = jnp.where(rb > cb, dAqk, 0.0)
-    for r in range(1, gate.ns):
+    for r in range(1, gate.ns) if "score_offdiag" not in ablate else ():
         eb = gate.eb(r)
         kb = k * eb
         dm_r = jnp.where(gate.rb == r, dm_o, 0.0)
@@ -192,7 +216,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dG = dG + kt * sa_m + qt * sa_q - k * sb
 
     # dg = reverse cumsum of dG within the chunk (total - inclusive cumsum + dG), plus dG_last.
-    dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
+    if "cumsum" in ablate or "gate" in ablate:
+        dg = dG + dG_last
+    else:
+        dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
     dg_ref[...] = dg.astype(dg_ref.dtype)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -200,8 +227,25 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dbeta_ref[...] = dbeta.reshape(C).astype(dbeta_ref.dtype)
 
 
+def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                       w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref):
+    """The "compute" ablation: every input read, every output written, no chunk arithmetic."""
+    rs = cm.row_sums
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    v = v_ref[...].astype(F32)
+    g = g_ref[...].astype(F32)
+    b = beta_ref[...].astype(F32)[:, None]
+    dgl = jnp.sum(h_ref[...].astype(F32) * dh_ref[...].astype(F32), axis=0, keepdims=True)
+    dq_ref[...] = (q * rs(do_ref[...].astype(F32)) + w_ref[...].astype(F32)).astype(dq_ref.dtype)
+    dk_ref[...] = (k * rs(a_ref[...]) + rs(m_ref[...]) + dgl).astype(dk_ref.dtype)
+    dv_ref[...] = (v * rs(du_ref[...].astype(F32)) + u_ref[...].astype(F32)).astype(dv_ref.dtype)
+    dg_ref[...] = (g * b).astype(dg_ref.dtype)
+    dbeta_ref[...] = rs(b * q).reshape(q.shape[0]).astype(dbeta_ref.dtype)
+
+
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
-              interpret: bool):
+              interpret: bool, _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -211,7 +255,12 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
       (intra_fwd, as the state pass used them); A, M [B, H, T, C] fp32 (intra_fwd save_solve).
     Returns (token-major): dq, dk [B, T, H, K] (q's dtype), dv [B, T, H, V] (v's dtype),
       dg [B, T, H, K] fp32, dbeta [B, T, H] fp32.
+    _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
+      common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
+    _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
+    Raises: ValueError for an unknown _ablate name.
     """
+    ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -223,7 +272,7 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype)
+    kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
@@ -233,5 +282,5 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
                    jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), F32),
                    jax.ShapeDtypeStruct((B, T, H), F32)],
-        interpret=interpret, compiler_params=cm.INTRA_PARAMS, name="kda_intra_bwd",
+        interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_bwd",
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)

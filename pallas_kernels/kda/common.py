@@ -68,22 +68,76 @@ def exact_precision(dtype):
     return HIGHEST if jnp.dtype(dtype) == jnp.dtype(F32) else EXACT_BF16
 
 
+class _Bf16Operands:
+    """Type of BF16_OPERANDS (a precision token understood by dot, dot_nt, dot_tn)."""
+
+    def __repr__(self):
+        return "BF16_OPERANDS"
+
+
+# Precision token: round both operands to bf16 and run one bf16 tensor-core dot with fp32
+# accumulation (what fla's Triton kernels do for every dot of a bf16 call). Used by the profiling
+# ablation "bf16_dots" and the opt-in bf16 state dots; not a lax precision.
+BF16_OPERANDS = _Bf16Operands()
+
+
+def _dot_general(a, b, dims, precision):
+    if precision is BF16_OPERANDS:
+        a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=F32)
+
+
 def dot(a, b, precision=None):
-    """a [m, k] @ b [k, n] with fp32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=F32)
+    """a [m, k] @ b [k, n] with fp32 accumulation (precision: a lax precision or BF16_OPERANDS)."""
+    return _dot_general(a, b, ((1,), (0,)), precision)
 
 
 def dot_nt(a, b, precision=None):
-    """a [m, k] @ b[n, k]^T with fp32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=F32)
+    """a [m, k] @ b[n, k]^T with fp32 accumulation (precision as dot)."""
+    return _dot_general(a, b, ((1,), (1,)), precision)
 
 
 def dot_tn(a, b, precision=None):
-    """a[k, m]^T @ b [k, n] with fp32 accumulation."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=F32)
+    """a[k, m]^T @ b [k, n] with fp32 accumulation (precision as dot)."""
+    return _dot_general(a, b, ((0,), (0,)), precision)
+
+
+def row_sums(x):
+    """[m, n] -> [m, 1] fp32 row sums (a cheap data-dependent stand-in used by the ablations)."""
+    return jnp.sum(x, axis=1, keepdims=True)
+
+
+# Profiling ablations (private; timing only, results WRONG): named pieces of the intra-chunk kernel
+# bodies replaced by cheap elementwise stand-ins of the same shapes, so that a GPU run can time the
+# kernel without each piece. Reached only through fwd.intra_fwd(_ablate=...) /
+# bwd.intra_bwd(_ablate=...) (experiments/bench_kda_kernels.py --ablate), never from ops.kda_pallas.
+#   gate      Gate without the cumsum and the anchor / last-row reductions (G = g, anchors 0)
+#   cumsum    only the chunk cumsums (forward G; backward also the reverse cumsum of dG)
+#   scores    intra_fwd: the 8 anchored row-block score GEMMs (M and Aqk)
+#   solve     intra_fwd: the 10 dots of (I + L)^-1 (A = I - L instead)
+#   wu        intra_fwd: W = A X and U = A Y (W = X, U = Y)
+#   state_products  intra_bwd: V' = U - W S, dQg, dW, dKd, dAqk (5 dots with the saved states)
+#   dXY       intra_bwd: dX = A^T dW, dY = A^T dU
+#   dA        intra_bwd: dA = dW X^T + dU Y^T
+#   dL        intra_bwd: dL = -A^T dA A^T (2 exact dots)
+#   score_diag     intra_bwd: the 4 exact diagonal-tile dots of the score backward
+#   score_offdiag  intra_bwd: the 12 off-diagonal row-block dots of the score backward
+#   exact_dots     intra_bwd: the exact (bf16x3) dots at mm precision instead (one TF32 pass)
+#   bf16_dots      the mm-precision (TF32) dots with bf16 operands instead (BF16_OPERANDS)
+#   compute   all arithmetic: outputs are cheap functions of every input (the I/O + launch floor)
+#   output    state_fwd: o = Qg S + Aqk V' (2 dots per chunk; o = V' is stored instead)
+FWD_ABLATIONS = ("gate", "cumsum", "scores", "solve", "wu", "bf16_dots", "compute")
+BWD_ABLATIONS = ("gate", "cumsum", "state_products", "dXY", "dA", "dL", "score_diag",
+                 "score_offdiag", "exact_dots", "bf16_dots", "compute")
+STATE_ABLATIONS = ("output", "bf16_dots")
+
+
+def check_ablate(ablate, allowed, name: str) -> frozenset:
+    """frozenset of the ablation names in `ablate` (a tuple of str); ValueError on unknown names."""
+    bad = [a for a in ablate if a not in allowed]
+    if bad:
+        raise ValueError(f"{name}: unknown ablation(s) {bad}; expected names from {allowed}")
+    return frozenset(ablate)
 
 
 def iotas(m: int, n: int):
@@ -110,19 +164,25 @@ class Gate:
     ea = exp(G - anchor of the row's block) [C, K] (<= 1).
     """
 
-    def __init__(self, g):
+    def __init__(self, g, ablate=frozenset()):
         C = g.shape[0]
         self.ns = C // BT
-        self.G = jnp.cumsum(g, axis=0)
-        self.G_last = pick_row(self.G, C - 1)
         self.rb = row_block(C)
-        self.anc = [jnp.zeros_like(self.G_last)] + [pick_row(self.G, r * BT - 1)
-                                                   for r in range(1, self.ns)]
-        anc_rows = jnp.zeros_like(self.G)
-        for r in range(1, self.ns):
-            anc_rows = jnp.where(self.rb == r, self.anc[r], anc_rows)
-        self.anc_rows = anc_rows
-        self.ea = jnp.exp(self.G - anc_rows)
+        simple = "gate" in ablate                 # profiling ablations (see FWD_ABLATIONS)
+        self.G = g if simple or "cumsum" in ablate else jnp.cumsum(g, axis=0)
+        if simple:
+            self.G_last = jnp.zeros((1, g.shape[1]), F32)
+            self.anc = [self.G_last] * self.ns
+            self.anc_rows = jnp.zeros_like(self.G)
+        else:
+            self.G_last = pick_row(self.G, C - 1)
+            self.anc = [jnp.zeros_like(self.G_last)] + [pick_row(self.G, r * BT - 1)
+                                                       for r in range(1, self.ns)]
+            anc_rows = jnp.zeros_like(self.G)
+            for r in range(1, self.ns):
+                anc_rows = jnp.where(self.rb == r, self.anc[r], anc_rows)
+            self.anc_rows = anc_rows
+        self.ea = jnp.exp(self.G - self.anc_rows)
 
     def eb_own(self):
         """exp(anc - G) with each row's own block anchor [C, K]; <= e^{16|lb|} (diagonal tiles)."""
@@ -174,24 +234,39 @@ def unit_lower_inverse(L, precision):
     return D
 
 
-def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype):
+def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset()):
     """The chunk factors from whole-chunk values (fp32 q, k [C, K], v [C, V], beta [C, 1]).
 
     Returns dict: M [C, C] (k.k anchored scores, strictly lower, unweighted by beta), A = (I + L)^-1
     with L = beta M, X = beta e^G k [C, K], Y = beta v [C, V], W = A X, U = A Y (fp32), and
     Aqk [C, C] = scale q.k anchored scores, lower triangle including the diagonal.
+    ablate: profiling ablations "scores", "solve", "wu", "bf16_dots" (FWD_ABLATIONS; wrong results).
     """
     C = k.shape[0]
     rows, cols = iotas(C, C)
-    prec = mm_precision(dtype)
-    M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
+    prec = BF16_OPERANDS if "bf16_dots" in ablate else mm_precision(dtype)
+    ones = jnp.ones((1, C), F32)
+    if "scores" in ablate:
+        M = jnp.where(rows > cols, 1e-2 * row_sums(k) * ones, 0.0)
+    else:
+        M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
     # The solve runs at mm precision (TF32 for bf16 inputs): A only enters W = A X, U = A Y (TF32
     # dots themselves) and the backward. Emulated on CPU (TF32-rounded operands, 64x64 L from the
     # ANCHORS recipe, 20 draws): A's RMS error 1.4e-6, W's 2.03e-4 with either a TF32 or an exact
     # solve; with keys correlated 0.9 and gates ~0: A 5.4e-4, W 7.6e-4 vs 5.1e-4. bf16 inputs
     # already cost ~3e-3 (fla tolerance 5e-3).
-    A = unit_lower_inverse(beta * M, prec)
+    if "solve" in ablate:
+        A = jnp.where(rows == cols, 1.0, 0.0) - beta * M
+    else:
+        A = unit_lower_inverse(beta * M, prec)
     X = beta * jnp.exp(gate.G) * k
     Y = beta * v
-    Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
-    return dict(M=M, A=A, X=X, Y=Y, W=dot(A, X, prec), U=dot(A, Y, prec), Aqk=Aqk)
+    if "scores" in ablate:
+        Aqk = jnp.where(rows >= cols, scale * row_sums(q) * ones, 0.0)
+    else:
+        Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
+    if "wu" in ablate:
+        W, U = X, Y
+    else:
+        W, U = dot(A, X, prec), dot(A, Y, prec)
+    return dict(M=M, A=A, X=X, Y=Y, W=W, U=U, Aqk=Aqk)

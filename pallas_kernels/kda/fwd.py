@@ -25,15 +25,21 @@ from pallas_kernels.kda.common import F32
 
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs, scale, dtype):
-    gate = cm.Gate(g_ref[...].astype(F32))
+                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs, scale, dtype,
+                      ablate=frozenset()):
+    if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
+        _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref,
+                           aqk_ref, gl_ref, *solve_refs)
+        return
+    gate = cm.Gate(g_ref[...].astype(F32), ablate)
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
     qg_ref[...] = (scale * q * jnp.exp(gate.G)).astype(qg_ref.dtype)
     kd_ref[...] = (k * jnp.exp(gate.G_last - gate.G)).astype(kd_ref.dtype)
     gl_ref[...] = jnp.exp(gate.G_last).reshape(gl_ref.shape)
     b = beta_ref[...].astype(F32)[:, None]
-    f = cm.chunk_factors(q, k, v_ref[...].astype(F32), b, gate, scale=scale, dtype=dtype)
+    f = cm.chunk_factors(q, k, v_ref[...].astype(F32), b, gate, scale=scale, dtype=dtype,
+                         ablate=ablate)
     aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
     w_ref[...] = f["W"].astype(w_ref.dtype)
     u_ref[...] = f["U"].astype(u_ref.dtype)
@@ -43,8 +49,32 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
         m_ref[...] = f["M"]
 
 
+def _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref,
+                       aqk_ref, gl_ref, *solve_refs):
+    """The "compute" ablation: every input read, every output written, no chunk arithmetic."""
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    v = v_ref[...].astype(F32)
+    g = g_ref[...].astype(F32)
+    b = beta_ref[...].astype(F32)[:, None]
+    C = q.shape[0]
+    rows, cols = cm.iotas(C, C)
+    qg_ref[...] = (q + g).astype(qg_ref.dtype)
+    kd_ref[...] = (k * b).astype(kd_ref.dtype)
+    w_ref[...] = (k + g).astype(w_ref.dtype)
+    u_ref[...] = (v * b).astype(u_ref.dtype)
+    aqk = jnp.where(rows >= cols, cm.row_sums(q) * jnp.ones((1, C), F32), 0.0)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    gl_ref[...] = jnp.sum(g, axis=0, keepdims=True).reshape(gl_ref.shape)
+    if solve_refs:
+        a_ref, m_ref = solve_refs
+        a_ref[...] = aqk
+        m_ref[...] = jnp.where(rows > cols, cm.row_sums(k) * jnp.ones((1, C), F32), 0.0)
+
+
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
-              factor_dtype=F32, save_solve: bool = False):
+              factor_dtype=F32, save_solve: bool = False, _ablate: tuple[str, ...] = (),
+              _params=None):
     """Per-chunk factors, one program per (batch, head, chunk).
 
     Args: q, k [B, T, H, K] (bf16 or fp32); v [B, T, H, V]; g [B, T, H, K] fp32 log-decay (nats);
@@ -56,7 +86,12 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
       factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32; with save_solve also A = (I + L)^-1 and M (the
       unweighted strictly lower k.k anchored scores, L = beta M), each [B,H,T,C] fp32 (row block c
       holds the chunk's matrix), for the backward.
+      _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
+        common.FWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
+      _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
+    Raises: ValueError for an unknown _ablate name.
     """
+    ablate = cm.check_ablate(_ablate, cm.FWD_ABLATIONS, "_ablate")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -76,18 +111,18 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     if save_solve:
         out_shape += [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
         out_specs += [ta, ta]
-    kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype)
+    kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib],
         out_specs=out_specs,
-        out_shape=out_shape, interpret=interpret, compiler_params=cm.INTRA_PARAMS,
+        out_shape=out_shape, interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS,
         name="kda_intra_fwd",
     )(q, k, v, g, beta)
 
 
 def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_ref, *refs,
-                      chunk_size, precision):
+                      chunk_size, precision, ablate=frozenset()):
     h_ref, ht_ref = refs if len(refs) == 2 else (None, refs[0])
     C = chunk_size
     NT = qg_ref.shape[0] // C
@@ -97,8 +132,11 @@ def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_r
         if h_ref is not None:
             h_ref[c] = St.astype(h_ref.dtype)
         vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w_ref[rows, :].astype(F32), St, precision)
-        o = (cm.dot_nt(qg_ref[rows, :].astype(F32), St, precision)
-             + cm.dot(aqk_ref[rows, :].astype(F32), vp, precision))
+        if "output" in ablate:                # profiling ablation (wrong results)
+            o = vp
+        else:
+            o = (cm.dot_nt(qg_ref[rows, :].astype(F32), St, precision)
+                 + cm.dot(aqk_ref[rows, :].astype(F32), vp, precision))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         gl = gl_ref[pl.ds(c, 1), :]                                       # [1, K]
         return St * gl + cm.dot_tn(vp, kd_ref[rows, :].astype(F32), precision)
@@ -107,7 +145,8 @@ def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_r
 
 
 def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_dtype,
-              interpret: bool, precision=None, save_states: bool = True, state_dtype=F32):
+              interpret: bool, precision=None, save_states: bool = True, state_dtype=F32,
+              _ablate: tuple[str, ...] = (), _params=None):
     """Serial pass over chunks, one program per (batch, head, V-block, segment); fp32 state in
     registers.
 
@@ -117,10 +156,17 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
       (common.mm_precision of the input dtype); save_states: also write the per-chunk states for
       the backward (False for a forward-only call: saves T / 64 * V * K * 4 bytes per (batch, head),
       2.1 GB at 8x4096x16, K = V = 128 in fp32); state_dtype: storage dtype of those states.
+      _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
+        common.STATE_ABLATIONS ("output": skip o's two dots; "bf16_dots": bf16 dot operands).
+      _params: PRIVATE profiling option: Triton compiler params (default common.STATE_PARAMS).
     Returns: o [B, T, H, V] (out_dtype); h [B, H, NT, V, K] (state_dtype; state entering each chunk) or
       None when save_states is False; ht fp32, transposed, of h0's rank: the state after the last
       chunk ([B, H, V, K]) or after each segment ([B, H, NS, V, K]).
+    Raises: ValueError for an unknown _ablate name.
     """
+    ablate = cm.check_ablate(_ablate, cm.STATE_ABLATIONS, "_ablate")
+    if "bf16_dots" in ablate:
+        precision = cm.BF16_OPERANDS
     B, H, T, K = qg.shape
     V = u.shape[-1]
     C = chunk_size
@@ -145,11 +191,11 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     if not save_states:
         out_shape = [out_shape[0], out_shape[2]]
     outs = pl.pallas_call(
-        functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision),
+        functools.partial(_state_fwd_kernel, chunk_size=C, precision=precision, ablate=ablate),
         grid=(B, H, V // BV, NS),
         in_specs=[fk, fk, fk, fv, fa, fg, fs],
         out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_state_fwd",
+        interpret=interpret, compiler_params=_params or cm.STATE_PARAMS, name="kda_state_fwd",
     )(qg, kd, w, u, aqk, gl, h0)
     o, h, ht = tuple(outs) if save_states else (outs[0], None, outs[1])
     return o, h, (ht if per_segment else ht[:, :, 0])
