@@ -55,6 +55,7 @@ _TORCH = flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subproces
 _TORCH_TIMEOUT = flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
 _EXTRA = flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
 _PLANS = flags.DEFINE_bool("plans", True, "Also time fwd+bwd through the jla adapter with each of PLANS.")
+_OPS = flags.DEFINE_list("ops", ["fwd", "d_lhs", "d_rhs", "fwd+bwd"], "JAX ops to time (torch times all).")
 _BUDGET = flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
 
 GROUPINGS = ("balanced", "skewed")
@@ -346,6 +347,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     ref_dlhs = jax.jit(lambda d, b, gs: jax.lax.ragged_dot(d, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=f32))
     ref_drhs = jax.jit(lambda a, d, gs: jax.lax.ragged_dot_general(
         a, d, gs, dispatch._RAGGED_CONTRACTING_DIMS, preferred_element_type=f32))  # noqa: SLF001
+    cands = [c for c in cands if c[0] in _OPS.value]
     refs = {}
     for gname, gs_np in groups.items():
         gs = jnp.asarray(gs_np)
