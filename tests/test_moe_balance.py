@@ -122,3 +122,17 @@ def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
         moe_balance.merge_results([a + ".json", b + ".json"])
     with pytest.raises(ValueError, match="at least 2"):
         moe_balance.merge_results([a + ".json"])
+
+
+def test_methods_table_rows_build_valid_configs(tmp_path):
+    base = _tiny_base()
+    assert len(moe_balance.METHODS) == 11
+    for method in moe_balance.METHODS:
+        cfg = moe_balance.run_config(base, method, 1, num_experts=4, top_k=2, steps=2, workdir_root=str(tmp_path))
+        assert cfg.seed == 1 and cfg.model.ffn == "moe" and cfg.workdir.endswith(f"{method}/seed1")
+    two = moe_balance.run_config(base, "quantile_histogram_2pass", 0, num_experts=4, top_k=2, steps=2,
+                                 workdir_root=str(tmp_path)).model.balancing_config()
+    assert (two.method, two.quantile_estimator, two.histogram_passes) == ("quantile", "histogram", 2)
+    ema = moe_balance.run_config(base, "quantile_exact_ema0.9", 0, num_experts=4, top_k=2, steps=2,
+                                 workdir_root=str(tmp_path)).model.balancing_config()
+    assert (ema.method, ema.quantile_estimator, ema.ema) == ("quantile", "exact", 0.9)
