@@ -16,7 +16,8 @@ Balancing methods (one interface, :class:`BalancingConfig` + :func:`balance`):
   next step.
 - ``"quantile"``: Quantile Balancing (Su, kexue.fm/archives/11619; Kimi K3 report §2.3.3 and App. D):
   the per-expert bias is the closed-form dual solution of the balanced-assignment LP, a quantile of
-  per-token margins; applied at the next step (causal; frozen at inference).
+  per-token margins; applied at the next step (causal; frozen at inference). Estimators: ``exact``
+  (sort) and ``histogram`` (K3 App. D; ``histogram_passes=2`` adds a refinement histogram).
 - ``"quantile_threshold"``: the seed article's literal description (same-step diversion away from
   experts above a high load percentile, priority boost for experts below a low percentile, sliding
   window smoothing, adaptive thresholds). No public counterpart; kept as a named variant so it can be
