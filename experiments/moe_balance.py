@@ -5,8 +5,17 @@
   # one H200, the whole table in one call (attention-only MoE LM, see configs/moe_balance_gpu.py):
   python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
       --top_k=4 --steps=300 --time_budget_s=380 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
-  # results of separate processes (e.g. one per GPU, disjoint --methods) -> one json/md/png:
-  python -m experiments.moe_balance --merge=$OUT/gpu0/moe_balance_<date>.json,$OUT/gpu1/moe_balance_<date>.json \
+  # two H200s in one call: one process per GPU on disjoint --methods (6 + 5), then one merged table:
+  C="--config=experiments/configs/moe_balance_gpu.py --num_experts=32 --top_k=4 --steps=300 --seeds=0,1,2 \
+     --time_budget_s=520"
+  CUDA_VISIBLE_DEVICES=0 python -m experiments.moe_balance $C --out=$OUT/gpu0 --name=moe_balance_gpu0 \
+      --methods=quantile_exact,quantile_histogram,quantile_histogram_2pass,quantile_exact_ema0.9,loss_free,none \
+      --workdir_root=/tmp/mb0 --compilation_cache_dir=/tmp/jax_cache0 > $OUT/gpu0.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python -m experiments.moe_balance $C --out=$OUT/gpu1 --name=moe_balance_gpu1 \
+      --methods=aux_loss,seq_aux_loss,quantile_threshold,capacity_1.0_aux,capacity_1.25_aux \
+      --workdir_root=/tmp/mb1 --compilation_cache_dir=/tmp/jax_cache1 > $OUT/gpu1.log 2>&1 &
+  wait
+  python -m experiments.moe_balance --merge=$OUT/gpu0/moe_balance_gpu0.json,$OUT/gpu1/moe_balance_gpu1.json \
       --out=$OUT/results --name=moe_balance_h200x2
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
