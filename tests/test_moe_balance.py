@@ -136,3 +136,15 @@ def test_methods_table_rows_build_valid_configs(tmp_path):
     ema = moe_balance.run_config(base, "quantile_exact_ema0.9", 0, num_experts=4, top_k=2, steps=2,
                                  workdir_root=str(tmp_path)).model.balancing_config()
     assert (ema.method, ema.quantile_estimator, ema.ema) == ("quantile", "exact", 0.9)
+
+
+def test_import_defines_no_flags_and_budget_estimate_drops_compile_time():
+    from absl import flags  # noqa: PLC0415
+
+    for name in ("merge", "compilation_cache_dir", "time_budget_s"):  # flags only this script defines
+        assert name not in flags.FLAGS
+    walls = {"a": [52.0], "b": [60.0]}
+    repeat = {"a": [52.0 - 22.0]}
+    assert moe_balance.expected_run_seconds("a", walls, repeat) == 30.0  # seed 1 reuses the executables
+    assert moe_balance.expected_run_seconds("b", walls, repeat) == 60.0  # no compile-free record yet
+    assert moe_balance.expected_run_seconds("c", walls, repeat) == 60.0  # a first run compiles
