@@ -82,6 +82,10 @@ flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the 
                   "intra_fwd, intra_fwd_save, state_fwd, intra_bwd")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; state_fwd uses them too)")
+flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
+                  "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
+                  "at --check_shape): 'base' or '+'-joined names from split_bwd, par_out, "
+                  "bf16_state")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
                    "seconds since the start (0 = no limit)")
@@ -235,7 +239,21 @@ def time_op(name, fn, B, T, H, K, iters, warmup):
 
 
 ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS, "intra_fwd_save": common.FWD_ABLATIONS,
-                  "state_fwd": common.STATE_ABLATIONS, "intra_bwd": common.BWD_ABLATIONS}
+                  "state_fwd": common.STATE_ABLATIONS, "intra_bwd": common.BWD_ABLATIONS,
+                  "intra_bwd_split": (), "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
+# --variants: names of ops.KernelOptions fields ("a+b" sets both; "base" = KernelOptions()).
+VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
+                  "bf16_state": "bf16_state_dots"}
+
+
+def variant_options(spec: str) -> ops.KernelOptions:
+    """ops.KernelOptions of a --variants spec ("base", or field short names joined by '+')."""
+    names = [] if spec == "base" else spec.split("+")
+    bad = [n for n in names if n not in VARIANT_FIELDS]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base' or '+'-joined "
+                         f"names from {tuple(VARIANT_FIELDS)}")
+    return ops.KernelOptions(**{VARIANT_FIELDS[n]: True for n in names})
 
 
 def profile_inputs(B, T, H, K):
@@ -254,17 +272,20 @@ def profile_inputs(B, T, H, K):
     du = nrm(6, (B, H, T, K), jnp.float32)
     h, dh = nrm(7, (B, H, NT, K, K), sdt), nrm(8, (B, H, NT, K, K), sdt)
     A, M = nrm(9, (B, H, T, C), jnp.float32, 0.1), nrm(10, (B, H, T, C), jnp.float32, 0.1)
-    w, u = fac[2], fac[3]
+    qg, kd, w, u, aqk, gl = fac
+    bwd_in = (q, k, v, g, beta, do, du, h, dh, w, u, A, M)
     return {"intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
-            "state_fwd": (fac, h0),
-            "intra_bwd": (q, k, v, g, beta, do, du, h, dh, w, u, A, M)}
+            "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
+            "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
 
 def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bool):
     """The jittable callable of one profiled kernel with the private _ablate / _params options."""
     sc = K ** -0.5
-    fdt = ops.factor_dtypes(jnp.bfloat16)
+    bf = jnp.bfloat16
+    fdt = ops.factor_dtypes(bf)
     params = common.pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    prec = common.BF16_OPERANDS if "bf16_dots" in ablate else common.mm_precision(bf)
     if kernel in ("intra_fwd", "intra_fwd_save"):
         return lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                         factor_dtype=fdt, save_solve=kernel == "intra_fwd_save",
@@ -272,48 +293,99 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     if kernel == "state_fwd":
         return lambda fac, h0: fwd.state_fwd(
             *fac, h0, chunk_size=CHUNK, block_v=min(K, 64), interpret=interpret,
-            out_dtype=jnp.bfloat16, precision=common.mm_precision(jnp.bfloat16),
-            state_dtype=ops.saved_state_dtype(jnp.bfloat16), _ablate=ablate, _params=params)
-    if kernel == "intra_bwd":
+            out_dtype=bf, precision=common.mm_precision(bf),
+            state_dtype=ops.saved_state_dtype(bf), _ablate=ablate, _params=params)
+    if kernel == "state_fwd_vp":
+        return lambda *a: fwd.state_fwd_vp(*a, chunk_size=CHUNK, block_v=min(K, 64),
+                                           interpret=interpret, precision=prec,
+                                           state_dtype=ops.saved_state_dtype(bf),
+                                           vp_dtype=fdt[3], _params=params)
+    if kernel == "output_fwd":
+        return lambda *a: fwd.output_fwd(*a, chunk_size=CHUNK, out_dtype=bf, interpret=interpret,
+                                         precision=prec, _params=params)
+    if kernel in ("intra_bwd", "intra_bwd_split"):
         return lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
-                                        _ablate=ablate, _params=params)
+                                        split=kernel == "intra_bwd_split", _ablate=ablate,
+                                        _params=params)
     raise ValueError(f"{kernel=} is not a profiled kernel; expected one of {tuple(ABLATION_NAMES)}")
 
 
+def _op_loss(fn, do):
+    def loss(*a):
+        o = fn(*a)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+    return loss
+
+
 def profile(res, save, t_start):
-    """The --ablate mode: one row per (kernel, ablation, num_warps), kernel time only.
+    """The --ablate / --variants mode: one row per (kernel, ablation, num_warps), kernel time only,
+    then per --variants spec the whole op's fwd and fwd+bwd time and (with --check_shape) its
+    errors vs the fp32 recurrence.
 
     Phase 1 lowers and compiles every row in --compile_threads threads (until 75% of
-    --time_budget_s); phase 2 times the compiled rows one by one in order, with no compile running
+    --time_budget_s); phase 2 runs the compiled rows one by one in order, with no compile running
     (so the host threads do not disturb the timing).
     """
     B, T, H, K = (int(x) for x in FLAGS.shapes[0].split("x"))
     inputs = profile_inputs(B, T, H, K)
-    res["mode"] = "ablation profile (kernel times only; ablated results are wrong)"
-    rows = []
+    res["mode"] = "profile (kernel rows: times only; ablated results are wrong)"
+    jobs = []                                # (row, build() -> (compiled, args), kind)
+
+    def kernel_build(row, ablate):
+        fn = profile_fn(row["kernel"], ablate, row["num_warps"], K, FLAGS.interpret)
+        return lambda: (jax.jit(fn).lower(*inputs[row["kernel"]]).compile(), inputs[row["kernel"]])
+
     for kernel in FLAGS.ablate_kernels:
         for spec in FLAGS.ablate:
             ablate = () if spec == "none" else tuple(spec.split("+"))
             if any(a not in ABLATION_NAMES[kernel] for a in ablate):
                 continue
             for nw in FLAGS.ablate_warps:
-                rows.append({"shape": FLAGS.shapes[0], "kernel": kernel, "ablate": spec,
-                             "num_warps": int(nw)})
+                row = {"shape": FLAGS.shapes[0], "kernel": kernel, "ablate": spec,
+                       "num_warps": int(nw)}
+                jobs.append((row, kernel_build(row, ablate), "time"))
+    op_in = make_inputs(B, T, H, K, head_major=False)
+    chk = ref_job = None
+    if FLAGS.variants and FLAGS.check_shape:
+        from k3jax.ops.kda_reference import kda_recurrent
+        cB, cT, cH, cK = (int(x) for x in FLAGS.check_shape.split("x"))
+        chk = make_inputs(cB, cT, cH, cK, head_major=False)
+        ref_loss = _op_loss(lambda *a: kda_recurrent(*(x.astype(jnp.float32) for x in a))[0], chk[5])
+        ref_fn = jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    for spec in FLAGS.variants:
+        opts = variant_options(spec)
 
-    def build(row):
-        ablate = () if row["ablate"] == "none" else tuple(row["ablate"].split("+"))
+        def op(*a, opts=opts):
+            return ops.kda_pallas(*a, lower_bound=LOWER_BOUND, interpret=FLAGS.interpret,
+                                  sequence_split=0, options=opts)[0]
+        loss = _op_loss(op, op_in[5])
+        vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+        for kernel, fn in (("op_fwd", op), ("op_fwd_bwd", vg)):
+            row = {"shape": FLAGS.shapes[0], "kernel": kernel, "variant": spec}
+            jobs.append((row, lambda fn=fn: (jax.jit(fn).lower(*op_in[:5]).compile(), op_in[:5]),
+                         "time"))
+        if chk is not None:
+            row = {"shape": FLAGS.check_shape, "kernel": "errors", "variant": spec}
+            cvg = jax.value_and_grad(_op_loss(op, chk[5]), argnums=(0, 1, 2, 3, 4), has_aux=True)
+            jobs.append((row, lambda f=cvg: (jax.jit(f).lower(*chk[:5]).compile(), chk[:5]),
+                         "errors"))
+
+    def timed(build):
         t0 = time.perf_counter()
-        fn = profile_fn(row["kernel"], ablate, row["num_warps"], K, FLAGS.interpret)
-        exe = jax.jit(fn).lower(*inputs[row["kernel"]]).compile()
-        return exe, time.perf_counter() - t0
+        out = build()
+        return out, time.perf_counter() - t0
 
     pool = concurrent.futures.ThreadPoolExecutor(max(1, FLAGS.compile_threads))
-    futures = [pool.submit(build, row) for row in rows]
+    if chk is not None:
+        ref_job = pool.submit(lambda: jax.jit(ref_fn).lower(*chk[:5]).compile())
+    futures = [pool.submit(timed, build) for _, build, _ in jobs]
     deadline = 0.75 * FLAGS.time_budget_s if FLAGS.time_budget_s else None
     remaining = None if deadline is None else max(1.0, deadline - (time.perf_counter() - t_start))
     concurrent.futures.wait(futures, timeout=remaining)
     res["compile_phase_s"] = time.perf_counter() - t_start
-    for row, fut in zip(rows, futures):
+    reference = None
+    names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+    for (row, _, kind), fut in zip(jobs, futures):
         if FLAGS.time_budget_s and time.perf_counter() - t_start > FLAGS.time_budget_s:
             res["cut"] = f"time budget {FLAGS.time_budget_s} s reached before this row: {row}"
             break
@@ -321,8 +393,15 @@ def profile(res, save, t_start):
         try:
             if not fut.done():
                 raise TimeoutError("not compiled within 75% of --time_budget_s")
-            exe, row["compile_s"] = fut.result()
-            row["ms"] = median_ms(exe, *inputs[row["kernel"]], iters=FLAGS.iters, warmup=FLAGS.warmup)
+            (exe, args), row["compile_s"] = fut.result()
+            if kind == "time":
+                row["ms"] = median_ms(exe, *args, iters=FLAGS.iters, warmup=FLAGS.warmup)
+            else:
+                if reference is None:
+                    (_, o_r), g_r = ref_job.result()(*args)
+                    reference = (o_r,) + tuple(g_r)
+                (_, o), gr = exe(*args)
+                row.update({n: rms_ratio(r, x) for n, r, x in zip(names, reference, (o,) + tuple(gr))})
         except Exception as e:  # noqa: BLE001 -- keep the other rows; record why this one failed
             row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
         save()
@@ -341,7 +420,7 @@ def main(argv):
         with open(FLAGS.out, "w") as fh:
             json.dump(res, fh, indent=1)
 
-    if FLAGS.ablate:
+    if FLAGS.ablate or FLAGS.variants:
         profile(res, save, time.perf_counter())
         os._exit(0)                          # do not wait for compiles cancelled by the budget
 

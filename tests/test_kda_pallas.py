@@ -37,6 +37,7 @@ class TestPallasInterpret(KDAImplementationTests):
 
     implementation = "pallas"
     interpret = True
+    options = None            # ops.KernelOptions of the kernel variant under test (None = default)
 
     def run(self, q, k, v, g, beta, **kwargs):
         return kda(q, k, v, g, beta, implementation="pallas", chunk_size=self.chunk_size,
@@ -96,7 +97,7 @@ class TestPallasInterpret(KDAImplementationTests):
         do = jax.random.normal(jax.random.PRNGKey(13), (1, 512, 2, 16))
         dht = jax.random.normal(jax.random.PRNGKey(14), (1, 2, 32, 16))
         kw = dict(lower_bound=-5.0, interpret=self.interpret, sequence_split=sequence_split,
-                  output_final_state=True)
+                  output_final_state=True, options=self.options)
         o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
             lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
         o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
@@ -116,6 +117,50 @@ class TestPallasInterpret(KDAImplementationTests):
         o, ht = jax.jit(lambda a: self.run(*a, lower_bound=-5.0, **kw))(_args(x))
         assert_rms_close("o", o_ref, o, FP32_TOLERANCE)
         assert_rms_close("ht", ht_ref, ht, FP32_TOLERANCE)
+
+
+class TestPallasVariantsInterpret(TestPallasInterpret):
+    """The round-3 kernel variants (all of ops.KernelOptions on: intra_bwd as two kernels, the
+    fla-style forward with a parallel output kernel, bf16 state dots) against the same references
+    and tolerances; the option refusals are the default path's and are not repeated."""
+
+    options = ops.KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True)
+
+    def run(self, q, k, v, g, beta, **kwargs):
+        kwargs.pop("chunk_size", None)
+        return ops.kda_pallas(q, k, v, g, beta, interpret=self.interpret, options=self.options,
+                              **kwargs)
+
+    test_unbounded_gates_raise = None
+    test_segment_ids_equal_each_document_alone = None
+    test_check_grads_fp64 = None
+    test_odd_sizes_and_options = None
+    test_future_gates_do_not_change_past_outputs = None
+
+    def test_variants_match_the_default_kernels(self):
+        # Each option alone changes only rounding: bf16 inputs (1, 128, 1, 32) vs the default; the
+        # split backward is the same dots in the same order (bit-identical in interpret mode).
+        x = make_kda_inputs(jax.random.PRNGKey(15), 1, 128, 1, 32, dtype=jnp.bfloat16)
+        do = jax.random.normal(jax.random.PRNGKey(16), (1, 128, 1, 32)).astype(jnp.bfloat16)
+        dht = jax.random.normal(jax.random.PRNGKey(17), (1, 1, 32, 32))
+
+        def run(options):
+            return jax.jit(lambda x: kda_loss_and_grads(
+                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, lower_bound=-5.0,
+                                                         output_final_state=True, interpret=True,
+                                                         options=options), x, do, dht))(x)
+        o0, ht0, g0 = run(None)
+        for field, tol in (("split_intra_bwd", 1e-7), ("parallel_output", 3e-3), ("bf16_state_dots", 3e-3)):
+            o, ht, grads = run(ops.KernelOptions(**{field: True}))
+            assert_rms_close(f"{field} o", o0, o, tol)
+            assert_rms_close(f"{field} ht", ht0, ht, tol)
+            for name in GRAD_NAMES:
+                assert_rms_close(f"{field} {name}", g0[name], grads[name], tol)
+
+    def test_options_type_checked(self):
+        x = make_kda_inputs(jax.random.PRNGKey(4), 1, 16, 1, 16)
+        with pytest.raises(ValueError, match="options"):
+            ops.kda_pallas(*_args(x), lower_bound=-5.0, interpret=True, options={"parallel_output": True})
 
 
 class TestSupported:
@@ -194,9 +239,10 @@ class TestTritonLowering:
     """Forward and gradient lower to Triton IR for CUDA (bf16 at K = V = 128, the benchmark's head dim;
     fp32 at the largest head dim supported compiled, ops.MAX_FP32_HEAD_DIM)."""
 
+    @pytest.mark.parametrize("variants", [False, True])
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
     @pytest.mark.parametrize("sequence_split", [0, None])
-    def test_lowers_for_cuda(self, dtype, sequence_split):
+    def test_lowers_for_cuda(self, dtype, sequence_split, variants):
         # T = 2048 = 32 chunks, B * H * V-blocks = 4 programs: the automatic sequence split is on
         # (8 segments of 4 chunks) unless sequence_split=0.
         B, T, H = 1, 2048, 2
@@ -205,13 +251,18 @@ class TestTritonLowering:
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
         beta = jax.ShapeDtypeStruct((B, T, H), dtype)
 
+        # variants: every ops.KernelOptions on: +1 forward call (output_fwd), +1 backward (intra_bwd_b).
+        options = ops.KernelOptions(True, True, True) if variants else None
+
         def fwd(q, k, v, g, beta):
-            return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, sequence_split=sequence_split)[0]
+            return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, sequence_split=sequence_split,
+                                  options=options)[0]
 
         def loss(*a):
             return jnp.sum(fwd(*a).astype(jnp.float32))
 
         n_fwd, n_bwd = (2, 2) if sequence_split == 0 else (4, 4)
+        n_fwd, n_bwd = n_fwd + variants, n_bwd + variants
         with _fake_h200():
             for fn, n_calls in ((fwd, n_fwd), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), n_fwd + n_bwd)):
                 text = jax.jit(fn).trace(q, q, q, g, beta).lower(lowering_platforms=("cuda",)).as_text()
@@ -237,7 +288,8 @@ class TestProfilingAblations:
                     lowered = jax.jit(bk.profile_fn(kernel, ablate, 4, K, False)).trace(
                         *inputs[kernel]).lower(lowering_platforms=("cuda",))
                     texts[ablate] = lowered.as_text()
-                    assert texts[ablate].count("__gpu$xla.gpu.triton") == 1, (kernel, ablate)
+                    n_calls = 2 if kernel == "intra_bwd_split" else 1
+                    assert texts[ablate].count("__gpu$xla.gpu.triton") == n_calls, (kernel, ablate)
                 unchanged = [a for a in texts if a and texts[a] == texts[()]]
                 assert not unchanged, (kernel, unchanged)
 
@@ -279,3 +331,19 @@ class TestPallasGPU(TestPallasInterpret):
         # with the full run after a 1024-token burn-in.
         o_tail, _ = kda_recurrent(*(a[:, T - W:] for a in _args(x)))
         assert_rms_close("o", o_tail[:, 1024:], o[:, T - W + 1024:], FLA_BF16_TOLERANCES["o"])
+
+
+@pytest.mark.gpu
+class TestPallasVariantsGPU(TestPallasVariantsInterpret):
+    """The round-3 variants compiled for the GPU at the first GPU case (bf16, K = V = 128)."""
+
+    interpret = False
+    test_weak_decay_long_memory = None
+    test_gates_at_lower_bound = None
+    test_variants_match_the_default_kernels = None
+    test_options_type_checked = None
+    test_million_tokens_finite = None
+
+    @pytest.mark.parametrize("shape, dtype", GPU_CASES[:1])
+    def test_matches_recurrent_on_fla_shapes(self, shape, dtype):
+        KDAImplementationTests.test_matches_recurrent_on_fla_shapes(self, shape, "bounded", dtype)

@@ -103,45 +103,31 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     return du, dh, (dh0 if per_segment else dh0[:, :, 0])
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                      w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
-                      dtype, ablate=frozenset()):
-    if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
-        _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                           w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref)
-        return
-    C = q_ref.shape[0]
-    gate = cm.Gate(g_ref[...].astype(F32), ablate)
+def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p, exact, ablate):
+    """Part 1 of the intra-chunk backward: everything before the anchored score-tile backward.
+
+    From the saved state St = S^T [V, K] entering the chunk, dSt = dS^T after it, dO [C, V],
+    dU = dV' [C, V], the saved w, u, A, M and the chunk inputs (all fp32 values). Returns dict:
+    dq, dk [C, K] (the parts through Qg, Kd, X), dG [C, K] (per-row gate gradient so far), dG_last
+    [1, K], dv [C, V] and dbeta [C, 1] (final), dM [C, C] (strictly lower, = beta dL) and dAqk
+    [C, C] (lower incl. diagonal): the score gradients the score-tile backward consumes.
+    """
+    C = q.shape[0]
     G, G_last = gate.G, gate.G_last
-    q = q_ref[...].astype(F32)
-    k = k_ref[...].astype(F32)
-    v = v_ref[...].astype(F32)
-    b = beta_ref[...].astype(F32)[:, None]
-    p = cm.BF16_OPERANDS if "bf16_dots" in ablate else cm.mm_precision(dtype)
-    exact = p if "exact_dots" in ablate else cm.exact_precision(dtype)
     rows, cols = cm.iotas(C, C)
     ones = jnp.ones((1, C), F32)
     rs = cm.row_sums
-
-    # The forward's solve and factors (saved, not recomputed); X, Y are elementwise.
-    A = a_ref[...]
-    M = m_ref[...]
     X = b * jnp.exp(G) * k
     Y = b * v
 
-    # The state products (St = S^T [V, K] entering the chunk, dSt = dS^T after it):
-    # V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;  dAqk = dO V'^T;
-    # d e^{G_last} = colsum(S^T * dS^T).
-    St = h_ref[...].astype(F32)
-    dSt = dh_ref[...].astype(F32)
-    do = do_ref[...].astype(F32)
-    dU = du_ref[...].astype(F32)
+    # The state products: V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;
+    # dAqk = dO V'^T;  d e^{G_last} = colsum(S^T * dS^T).
     if "state_products" in ablate:
-        vp = u_ref[...].astype(F32)
-        dqg, dW, dkd = q * rs(do), -w_ref[...].astype(F32) * rs(dU), k * rs(vp)
+        vp = u
+        dqg, dW, dkd = q * rs(do), -w * rs(dU), k * rs(vp)
         daqk = rs(do) * ones
     else:
-        vp = u_ref[...].astype(F32) - cm.dot_nt(w_ref[...].astype(F32), St, p)
+        vp = u - cm.dot_nt(w, St, p)
         dqg = cm.dot(do, St, p)
         dW = -cm.dot(dU, St, p)
         dkd = cm.dot(vp, dSt, p)
@@ -179,14 +165,23 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     else:
         dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
     dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
-    dM = b * dL
-    dAqk = jnp.where(rows >= cols, daqk, 0.0)
+    return dict(dq=dq, dk=dk, dG=dG, dG_last=dG_last, dv=dv, dbeta=dbeta, dM=b * dL,
+                dAqk=jnp.where(rows >= cols, daqk, 0.0))
 
-    # Anchored score tiles: S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}:
-    # da = e^{G - anc} (dS b~), db = e^{anc - G} (dS^T a~), dG += a~ (dS b~), dG -= b~ (dS^T a~).
-    # Diagonal 16x16 tiles (all row blocks at once, each with its own anchor; b~ up to e^{16|lb|}):
-    # one dot per side at exact precision. Off-diagonal tiles (row block r, anchor anc_r, b~ <= 1):
-    # one dot per side and row block at mm precision (round 1's split, which the GPU tests passed).
+
+def _score_bwd(gate, q, k, dq, dk, dG, dM, dAqk, *, scale, p, exact, ablate):
+    """Part 2 of the intra-chunk backward: the anchored score tiles of M (k.k) and Aqk (q.k).
+
+    Adds the score gradients dM, dAqk [C, C] (fp32) to dq, dk, dG [C, K] and returns them.
+    S_ij = a~_i . b~_j with a~ = a e^{G - anc}, b~ = b e^{anc - G}: da = e^{G - anc} (dS b~),
+    db = e^{anc - G} (dS^T a~), dG += a~ (dS b~), dG -= b~ (dS^T a~). Diagonal 16x16 tiles (all row
+    blocks at once, each with its own anchor; b~ up to e^{16|lb|}): one dot per side at `exact`
+    precision. Off-diagonal tiles (row block r, anchor anc_r, b~ <= 1): one dot per side and row
+    block at `p` (round 1's split, which the GPU tests passed).
+    """
+    C = q.shape[0]
+    rows, cols = cm.iotas(C, C)
+    rs = cm.row_sums
     kt = k * gate.ea                                  # a~ of M
     qt = scale * q * gate.ea                          # a~ of Aqk
     rb, cb = lax.div(rows, jnp.int32(cm.BT)), lax.div(cols, jnp.int32(cm.BT))
@@ -214,17 +209,81 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     dk = dk + gate.ea * sa_m + sb
     dq = dq + scale * gate.ea * sa_q
     dG = dG + kt * sa_m + qt * sa_q - k * sb
+    return dq, dk, dG
 
-    # dg = reverse cumsum of dG within the chunk (total - inclusive cumsum + dG), plus dG_last.
+
+def _reverse_cumsum(dG, ablate):
+    """dg_i = sum_{j >= i} dG_j within the chunk (total - inclusive cumsum + dG)."""
     if "cumsum" in ablate or "gate" in ablate:
-        dg = dG + dG_last
-    else:
-        dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
+        return dG
+    return jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG
+
+
+def _precisions(dtype, ablate):
+    """(p, exact): the mm and exact dot precisions of the backward for inputs of `dtype`."""
+    p = cm.BF16_OPERANDS if "bf16_dots" in ablate else cm.mm_precision(dtype)
+    return p, (p if "exact_dots" in ablate else cm.exact_precision(dtype))
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                      w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
+                      dtype, ablate=frozenset()):
+    if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
+        _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                           w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref)
+        return
+    C = q_ref.shape[0]
+    gate = cm.Gate(g_ref[...].astype(F32), ablate)
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    p, exact = _precisions(dtype, ablate)
+    r = _state_solve_bwd(gate, q, k, v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
+                         h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
+                         du_ref[...].astype(F32), w_ref[...].astype(F32), u_ref[...].astype(F32),
+                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=ablate)
+    dq, dk, dG = _score_bwd(gate, q, k, r["dq"], r["dk"], r["dG"], r["dM"], r["dAqk"], scale=scale,
+                            p=p, exact=exact, ablate=ablate)
+    # dg = reverse cumsum of dG within the chunk, plus dG_last on every row.
+    dg = _reverse_cumsum(dG, ablate) + r["dG_last"]
     dg_ref[...] = dg.astype(dg_ref.dtype)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-    dbeta_ref[...] = dbeta.reshape(C).astype(dbeta_ref.dtype)
+    dv_ref[...] = r["dv"].astype(dv_ref.dtype)
+    dbeta_ref[...] = r["dbeta"].reshape(C).astype(dbeta_ref.dtype)
+
+
+def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                        w_ref, u_ref, a_ref, m_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref,
+                        dgl_ref, dm_ref, daqk_ref, *, scale, dtype):
+    C = q_ref.shape[0]
+    gate = cm.Gate(g_ref[...].astype(F32))
+    p, exact = _precisions(dtype, frozenset())
+    r = _state_solve_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32),
+                         v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
+                         h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
+                         du_ref[...].astype(F32), w_ref[...].astype(F32), u_ref[...].astype(F32),
+                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=frozenset())
+    dv_ref[...] = r["dv"].astype(dv_ref.dtype)
+    dbeta_ref[...] = r["dbeta"].reshape(C).astype(dbeta_ref.dtype)
+    dq_ref[...] = r["dq"]
+    dk_ref[...] = r["dk"]
+    dgp_ref[...] = r["dG"]
+    dgl_ref[...] = r["dG_last"].reshape(dgl_ref.shape)
+    dm_ref[...] = r["dM"]
+    daqk_ref[...] = r["dAqk"]
+
+
+def _intra_bwd_b_kernel(q_ref, k_ref, g_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref,
+                        dq_ref, dk_ref, dg_ref, *, scale, dtype):
+    gate = cm.Gate(g_ref[...].astype(F32))
+    p, exact = _precisions(dtype, frozenset())
+    dq, dk, dG = _score_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32), dqp_ref[...],
+                            dkp_ref[...], dgp_ref[...], dm_ref[...], daqk_ref[...], scale=scale,
+                            p=p, exact=exact, ablate=frozenset())
+    dgl = dgl_ref[...].reshape(1, dG.shape[1])
+    dg_ref[...] = (_reverse_cumsum(dG, frozenset()) + dgl).astype(dg_ref.dtype)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
 def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
@@ -245,7 +304,7 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 
 
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
-              interpret: bool, _ablate: tuple[str, ...] = (), _params=None):
+              interpret: bool, split: bool = False, _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -255,12 +314,19 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
       (intra_fwd, as the state pass used them); A, M [B, H, T, C] fp32 (intra_fwd save_solve).
     Returns (token-major): dq, dk [B, T, H, K] (q's dtype), dv [B, T, H, V] (v's dtype),
       dg [B, T, H, K] fp32, dbeta [B, T, H] fp32.
+    split: run it as two kernels (intra_bwd_split) instead of one: fewer live values per kernel
+      for ~2.7 GB more HBM traffic at 8x4096x16, K = V = 128; same values up to rounding order.
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
     Raises: ValueError for an unknown _ablate name.
     """
     ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
+    if split:
+        if ablate:
+            raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
+        return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
+                               chunk_size=chunk_size, interpret=interpret, _params=_params)
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -284,3 +350,49 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
                    jax.ShapeDtypeStruct((B, T, H), F32)],
         interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_bwd",
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)
+
+
+def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
+                    interpret: bool, _params=None):
+    """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
+
+    Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
+    (_state_solve_bwd): writes dv, dbeta (final, token-major) and, head-major fp32, the partial dq,
+    dk, dG [B, H, T, K], dG_last [B, H, NT, K] and the score gradients dM, dAqk [B, H, T, C]. Kernel b ("kda_intra_bwd_b"): the anchored score-tile backward (_score_bwd) and
+    the reverse cumsum: dq, dk, dg. Round-3 lever 1 (kda_pallas_notes.md): the fused kernel keeps
+    the [V, K] states and the score-tile values live at once; split, each body holds about half.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NT = T // C
+    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
+    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
+    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
+    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
+    ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
+    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
+    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
+    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    params = _params or cm.INTRA_PARAMS
+    dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk = pl.pallas_call(
+        functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype), grid=(B, H, NT),
+        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
+        out_specs=[iv, ib, tk, tk, tk, tg, ta, ta],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
+                   jax.ShapeDtypeStruct((B, T, H), F32)]
+                  + [jax.ShapeDtypeStruct((B, H, T, K), F32)] * 3
+                  + [jax.ShapeDtypeStruct((B, H, NT, K), F32)]
+                  + [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2,
+        interpret=interpret, compiler_params=params, name="kda_intra_bwd_a",
+    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)
+    dq, dk, dg = pl.pallas_call(
+        functools.partial(_intra_bwd_b_kernel, scale=scale, dtype=q.dtype), grid=(B, H, NT),
+        in_specs=[ik, ik, ik, tk, tk, tk, tg, ta, ta],
+        out_specs=[ik, ik, ik],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, K), F32)],
+        interpret=interpret, compiler_params=params, name="kda_intra_bwd_b",
+    )(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk)
+    return dq, dk, dv, dg, dbeta

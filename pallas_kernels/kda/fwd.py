@@ -1,4 +1,6 @@
-"""KDA chunk forward kernels: intra-chunk factors (parallel) and the serial state pass.
+"""KDA chunk forward kernels: intra-chunk factors (parallel) and the serial state pass (state_fwd:
+state and o in one serial pass; or, ops.KernelOptions.parallel_output, state_fwd_vp carrying only
+the state and writing V' and the per-chunk states, then output_fwd forming o in parallel, as fla).
 
 Layouts: the user-facing tensors stay token-major as given, q, k, g [B, T, H, K], v and o
 [B, T, H, V], beta [B, T, H] (BlockSpecs pick one head's [C, K] rows with stride H * K: no transposes
@@ -199,3 +201,94 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     )(qg, kd, w, u, aqk, gl, h0)
     o, h, ht = tuple(outs) if save_states else (outs[0], None, outs[1])
     return o, h, (ht if per_segment else ht[:, :, 0])
+
+
+def _state_vp_kernel(kd_ref, w_ref, u_ref, gl_ref, h0_ref, vp_ref, h_ref, ht_ref, *, chunk_size,
+                     precision):
+    C = chunk_size
+    NT = kd_ref.shape[0] // C
+
+    def body(c, St):                                    # St: [BV, K] fp32 state entering chunk c
+        rows = pl.ds(c * C, C)
+        h_ref[c] = St.astype(h_ref.dtype)
+        vp = u_ref[rows, :].astype(F32) - cm.dot_nt(w_ref[rows, :].astype(F32), St, precision)
+        vp_ref[rows, :] = vp.astype(vp_ref.dtype)
+        gl = gl_ref[pl.ds(c, 1), :]                                       # [1, K]
+        return St * gl + cm.dot_tn(vp, kd_ref[rows, :].astype(F32), precision)
+
+    ht_ref[...] = jax.lax.fori_loop(0, NT, body, h0_ref[...].astype(F32))
+
+
+def state_fwd_vp(kd, w, u, gl, h0, *, chunk_size: int, block_v: int, interpret: bool,
+                 precision=None, state_dtype=F32, vp_dtype=F32, _params=None):
+    """Serial pass that only carries the state (fla's `chunk_gated_delta_rule_fwd_h` split):
+    per chunk V' = U - W S and S <- e^{G_last} S + Kd^T V', writing V' and the state entering each
+    chunk; the output is left to the parallel `output_fwd`. One program per (batch, head, V-block,
+    segment); fp32 state in registers. Round-3 lever 2 (kda_pallas_notes.md): 2 dots per serial
+    step instead of state_fwd's 4.
+
+    Args: kd, w [B, H, T, K], u [B, H, T, V], gl [B, H, NT, K] (intra_fwd outputs); h0 as
+      state_fwd ([B, H, V, K] or per segment [B, H, NS, V, K], fp32, transposed); precision of the
+      two dots (common.mm_precision, or common.BF16_OPERANDS: S and V' rounded to bf16 as
+      operands, as fla); state_dtype, vp_dtype: storage dtypes of h and V'.
+    Returns: vp = V' [B, H, T, V] (vp_dtype); h [B, H, NT, V, K] (state_dtype; state entering each
+      chunk, transposed); ht fp32 of h0's rank (after the last chunk / each segment).
+    """
+    B, H, T, K = kd.shape
+    V = u.shape[-1]
+    C = chunk_size
+    NT = T // C
+    BV = block_v
+    per_segment = h0.ndim == 5
+    h0 = h0 if per_segment else h0[:, :, None]
+    NS = h0.shape[2]
+    Ls = NT // NS
+    L = Ls * C
+    fk = pl.BlockSpec((None, None, L, K), lambda b, h, iv, s: (b, h, s, 0))
+    fv = pl.BlockSpec((None, None, L, BV), lambda b, h, iv, s: (b, h, s, iv))
+    fg = pl.BlockSpec((None, None, Ls, K), lambda b, h, iv, s: (b, h, s, 0))
+    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    vp, h, ht = pl.pallas_call(
+        functools.partial(_state_vp_kernel, chunk_size=C, precision=precision),
+        grid=(B, H, V // BV, NS),
+        in_specs=[fk, fk, fv, fg, fs],
+        out_specs=[fv, fh, fs],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), vp_dtype),
+                   jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
+                   jax.ShapeDtypeStruct((B, H, NS, V, K), F32)],
+        interpret=interpret, compiler_params=_params or cm.STATE_PARAMS, name="kda_state_fwd_vp",
+    )(kd, w, u, gl, h0)
+    return vp, h, (ht if per_segment else ht[:, :, 0])
+
+
+def _output_kernel(qg_ref, aqk_ref, vp_ref, h_ref, o_ref, *, precision):
+    o = (cm.dot_nt(qg_ref[...].astype(F32), h_ref[...].astype(F32), precision)
+         + cm.dot(aqk_ref[...].astype(F32), vp_ref[...].astype(F32), precision))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def output_fwd(qg, aqk, vp, h, *, chunk_size: int, out_dtype, interpret: bool, precision=None,
+               _params=None):
+    """o = Qg S_c + tril(Aqk) V' per chunk, in parallel over (batch, head, chunk) (fla's
+    `chunk_gla_fwd_o`); the second half of round-3 lever 2.
+
+    Args: qg [B, H, T, K], aqk [B, H, T, C] (intra_fwd); vp [B, H, T, V] and h [B, H, NT, V, K]
+      (state_fwd_vp: V' and the transposed state entering each chunk); precision of the two dots
+      (as state_fwd_vp).
+    Returns: o [B, T, H, V] in out_dtype (token-major, the user's layout).
+    """
+    B, H, T, K = qg.shape
+    V = vp.shape[-1]
+    C = chunk_size
+    NT = T // C
+    return pl.pallas_call(
+        functools.partial(_output_kernel, precision=precision), grid=(B, H, NT),
+        in_specs=[pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0)),
+                  pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0)),
+                  pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0)),
+                  pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))],
+        out_specs=pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
+        interpret=interpret, compiler_params=_params or cm.OUTPUT_PARAMS, name="kda_output_fwd",
+    )(qg, aqk, vp, h)

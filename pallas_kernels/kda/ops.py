@@ -17,6 +17,10 @@ Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T 
 qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
 fp32 (T x 128 x 4), the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs.
 
+Kernel variants with the same math (ops.KernelOptions; defaults unchanged until a GPU run shows
+a variant faster): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
+forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots.
+
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
 num_warps and num_stages=1); `interpret=True` runs the same kernel bodies on CPU. Not run on TPU.
@@ -26,6 +30,7 @@ see ANCHORS.md section 1. This package never imports k3jax.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -95,6 +100,25 @@ def factor_dtypes(dtype) -> tuple:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Static choices between kernel variants with the same math (round-3 levers; the defaults are
+    the kernels measured so far, kda_pallas_notes.md). A variant becomes the default only after a
+    GPU measurement shows it faster at accuracy within fla's tolerances.
+
+    split_intra_bwd: the intra-chunk backward as two kernels (bwd.intra_bwd_split) instead of one.
+    parallel_output: the forward's serial pass only carries the state and writes V' and the
+      per-chunk states (fwd.state_fwd_vp); o = Qg S + Aqk V' runs in parallel over chunks
+      (fwd.output_fwd), as fla's chunk_kda forward. Forward-only calls then write the states too.
+    bf16_state_dots: bf16 inputs only: the forward's state / output dots take bf16 operands (S, V'
+      rounded to bf16 per dot, as fla) instead of TF32 fp32 operands; fp32 inputs ignore it.
+    """
+
+    split_intra_bwd: bool = False
+    parallel_output: bool = False
+    bf16_state_dots: bool = False
+
+
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
               chunk_size=CHUNK_SIZE, initial_state=None, interpret=False) -> tuple[bool, str]:
     """Whether `kda_pallas` covers this call (shapes, dtypes, options), and why not if it does not.
@@ -140,37 +164,46 @@ def _pow2(n: int) -> int:
 
 
 def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpret, save_states,
-                state_dtype, dtype):
-    """fwd.state_fwd over all chunks, or split into segments (split.py) when seg_chunks > 0."""
+                state_dtype, dtype, options=KernelOptions()):
+    """The forward's state pass and output: fwd.state_fwd over all chunks, or split into segments
+    (split.py) when seg_chunks > 0; with options.parallel_output fwd.state_fwd_vp + fwd.output_fwd."""
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
-    if not seg_chunks:
-        return fwd.state_fwd(*fac, h0, out_dtype=out_dtype, precision=common.mm_precision(dtype),
-                             save_states=save_states, state_dtype=state_dtype, **kw)
+    bf16 = options.bf16_state_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    prec = common.BF16_OPERANDS if bf16 else common.mm_precision(dtype)
     qg, kd, w, u, aqk, gl = fac
-    P, R = split.transitions_fwd(kd, w, u, gl, seg_chunks=seg_chunks,
-                                 precision=common.exact_precision(dtype), **kw)
-    starts, ht = split.segment_scan(h0, P, R, reverse=False, block_v=block_v, interpret=interpret,
-                                    precision=common.exact_precision(dtype))
-    o, h, _ = fwd.state_fwd(*fac, starts, out_dtype=out_dtype, precision=common.mm_precision(dtype),
-                            save_states=save_states, state_dtype=state_dtype, **kw)
-    return o, h, ht
+    starts, ht = h0, None
+    if seg_chunks:
+        P, R = split.transitions_fwd(kd, w, u, gl, seg_chunks=seg_chunks,
+                                     precision=common.exact_precision(dtype), **kw)
+        starts, ht = split.segment_scan(h0, P, R, reverse=False, block_v=block_v,
+                                        interpret=interpret, precision=common.exact_precision(dtype))
+    if options.parallel_output:
+        vp, h, ht_pass = fwd.state_fwd_vp(kd, w, u, gl, starts, precision=prec,
+                                          state_dtype=state_dtype, vp_dtype=u.dtype, **kw)
+        o = fwd.output_fwd(qg, aqk, vp, h, chunk_size=chunk_size, out_dtype=out_dtype,
+                           interpret=interpret, precision=prec)
+    else:
+        o, h, ht_pass = fwd.state_fwd(*fac, starts, out_dtype=out_dtype, precision=prec,
+                                      save_states=save_states, state_dtype=state_dtype, **kw)
+    return o, h, (ht if seg_chunks else ht_pass)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret, options):
     """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp].
 
-    Forward-only calls land here (not in _core_fwd): the per-chunk states are not written.
+    Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
+    options.parallel_output, whose output kernel reads them).
     """
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype))
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
-                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype)
+                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
     return o, ht
 
 
-def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret):
+def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret, options):
     # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
     *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
@@ -178,11 +211,11 @@ def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, inte
                                save_solve=True)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
-                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype)
+                           state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
     return (o, ht), (q, k, v, g, beta, h0, h, tuple(fac), A, M)
 
 
-def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, res, cts):
+def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, cts):
     q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl), A, M = res
     do, dht = cts
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
@@ -198,7 +231,8 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, res, cts):
         du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=common.mm_precision(q.dtype),
                                     state_dtype=h.dtype, **kw)
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
-                                          chunk_size=chunk_size, interpret=interpret)
+                                          chunk_size=chunk_size, interpret=interpret,
+                                          split=options.split_intra_bwd)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
 
 
@@ -208,7 +242,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = None,
                initial_state=None, output_final_state: bool = False,
                chunk_size: int = CHUNK_SIZE, interpret: bool = False,
-               sequence_split: int | None = None):
+               sequence_split: int | None = None, options: KernelOptions | None = None):
     """Chunked KDA with Pallas kernels, differentiable (custom_vjp; backward also in Pallas).
 
     Args:
@@ -225,6 +259,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
       sequence_split: segment length in chunks for the exact sequence split of the serial state
         passes (split.py; see split_chunks): None = automatic (only when B * H * V / 64 < 256),
         0 = one serial pass.
+      options: KernelOptions (kernel variants with the same math); None = KernelOptions().
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
@@ -236,6 +271,10 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
                         initial_state=initial_state)
     if not ok:
         raise ValueError(why)
+    if options is None:
+        options = KernelOptions()
+    if not isinstance(options, KernelOptions):
+        raise ValueError(f"options must be a KernelOptions or None; got {type(options).__name__}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:
@@ -259,7 +298,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
     seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v))
-    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, seg, bool(interpret))
+    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, seg, bool(interpret), options)
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
     return o, final
