@@ -15,7 +15,8 @@ seed 0: one group holds ~38% of the rows) group sizes, at M=32768, K=2048, N=102
   candidate fix of issue #5: groups cut into virtual groups of at most ``--split_rows`` rows
   (:func:`k3jax.ops.dispatch.split_group_sizes`), partial products summed per group in fp32;
 * ``fwd+bwd`` through ``k3jax.ops.dispatch.grouped_matmul(implementation="jla")`` (bf16 output and
-  cotangent), the number issue #5 judges, and through the jla adapter with each candidate
+  cotangent), the number issue #5 judges, without and with ``full_groups=True`` (every row is in a
+  group; skips the select that zeroes rows past the groups), and through the jla adapter with each candidate
   ``JlaPlan`` of ``PLANS`` (static tilings / d_rhs split);
 * torch._grouped_mm forward, d_lhs (``_grouped_mm(d_out, rhs^T, offs)``), d_rhs
   (``_grouped_mm(lhs^T, d_out, offs)``) and fwd+bwd (autograd) in a torch subprocess of the same call,
@@ -33,6 +34,7 @@ recorded as skipped (the whole run must stay under 120 s on an H200, compiles in
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -322,11 +324,14 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
             return jax.ops.segment_sum(part.astype(f32), owner, e, indices_are_sorted=True).astype(rhs.dtype)
         cands.append(("d_rhs", "jla split", f"max_rows={rows}", jax.jit(split_d_rhs), (lhs, dout)))
 
-    def fwd_bwd(a, b, d, gs):
+    def fwd_bwd(a, b, d, gs, full_groups=False):
         out, vjp = jax.vjp(lambda a, b: dispatch.grouped_matmul(
-            a, b, gs, implementation="jla", preferred_element_type=jnp.bfloat16), a, b)
+            a, b, gs, implementation="jla", preferred_element_type=jnp.bfloat16, full_groups=full_groups), a, b)
         return out, vjp(d)
     cands.append(("fwd+bwd", "k3jax dispatch jla", "default", jax.jit(fwd_bwd), (lhs, rhs, dout)))
+    # every row is in a group here (as after dispatch.permute): the promise torch._grouped_mm also relies on
+    cands.append(("fwd+bwd", "k3jax dispatch jla", "full_groups=True",
+                  jax.jit(functools.partial(fwd_bwd, full_groups=True)), (lhs, rhs, dout)))
     if _PLANS.value:
         for label, fields in PLANS.items():
             plan = dispatch.JlaPlan(**fields)

@@ -97,7 +97,8 @@ _DRIVER = textwrap.dedent("""
         return Tile(**fields)
     leaf.TileConfig = tile_config
     leaf._config_for = lambda config, k, n: leaf.PERSISTENT if config is None else config
-    leaf.ragged_dot = lambda lhs, rhs, gs, config=None: jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+    leaf.ragged_dot = lambda lhs, rhs, gs, full_groups=False, config=None: jax.lax.ragged_dot(lhs, rhs, gs).astype(
+        lhs.dtype)
     leaf._ragged_dot_kernel = lambda lhs, rhs, gs, *, transpose_rhs, cfg: jax.lax.ragged_dot(
         lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, gs).astype(lhs.dtype)
     leaf.transposed_ragged_dot = lambda lhs, d_out, gs: jax.lax.ragged_dot_general(
@@ -131,6 +132,7 @@ def test_jax_rows_end_to_end_with_stand_in_kernels(tmp_path):
     assert [(r["op"], r["config"]) for r in rows[::2]] == [
         *((op, c) for c in B.JLA_CONFIG_NAMES for op in ("fwd", "d_lhs")),
         ("d_rhs", "transposed_ragged_dot"), ("d_rhs", "max_rows=64"), ("fwd+bwd", "default"),
+        ("fwd+bwd", "full_groups=True"),
         *(("fwd+bwd", label) for label in B.PLANS),
         *((op, c) for c in extras for op in ("fwd", "d_lhs"))]
     assert [r["groups"] for r in rows] == ["balanced", "skewed"] * (len(rows) // 2)

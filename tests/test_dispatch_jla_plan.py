@@ -85,13 +85,17 @@ def _fake_jla(monkeypatch):
     leaf.supports = lambda lhs, rhs, gs: True
     leaf._config_for = lambda config, k, n: leaf.PERSISTENT if config is None else config
 
-    def ragged_dot(lhs, rhs, gs, config=None):
+    def ragged_dot(lhs, rhs, gs, full_groups=False, config=None):
         calls.append(("fwd", None if config is None else config.name))
-        return jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+        out = jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
+        if full_groups:  # like the kernel: rows past sum(gs) left unwritten (stale memory: 7.0)
+            return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(gs), out, 7.0).astype(out.dtype)
+        return out
 
     def kernel(lhs, rhs, gs, *, transpose_rhs, cfg):
         calls.append(("d_lhs" if transpose_rhs else "fwd", cfg.name))
-        return jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, gs).astype(lhs.dtype)
+        out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, gs).astype(lhs.dtype)
+        return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(gs), out, 7.0).astype(out.dtype)
 
     def transposed(lhs, d_out, gs):
         calls.append(("d_rhs", gs.shape[0]))
@@ -113,14 +117,14 @@ M, K, N, E = 256, 128, 256, 4
 SIZES = jnp.array([150, 0, 37, 41], jnp.int32)  # one large group, an empty one, 28 tail rows
 
 
-def _run(plan):
+def _run(plan, full_groups=False):
     lhs = jax.random.normal(jax.random.PRNGKey(0), (M, K)).astype(jnp.bfloat16)
     rhs = (jax.random.normal(jax.random.PRNGKey(1), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
     cot = jax.random.normal(jax.random.PRNGKey(2), (M, N)).astype(jnp.bfloat16)
     if plan == "xla":
         f = lambda a, b: D.grouped_matmul(a, b, SIZES, implementation="xla", preferred_element_type=jnp.bfloat16)  # noqa: E731
     else:
-        f = lambda a, b: D._jla_grouped_matmul(a, b, SIZES, jnp.bfloat16, plan)  # noqa: E731
+        f = lambda a, b: D._jla_grouped_matmul(a, b, SIZES, jnp.bfloat16, plan, full_groups)  # noqa: E731
     y, vjp = jax.vjp(f, lhs, rhs)
     return (y, *vjp(cot))
 
@@ -128,6 +132,50 @@ def _run(plan):
 def _rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def test_full_groups_skips_the_tail_zeroing_only_in_jla(monkeypatch):
+    """full_groups=True is a promise: jla then leaves the (here stale: 7.0) rows past the groups as the
+    kernels wrote them, in the output and in d_lhs; the valid rows are unchanged. XLA ignores it."""
+    calls = _fake_jla(monkeypatch)
+    y, d_lhs, d_rhs = _run(D.JlaPlan(), full_groups=True)
+    y_m, d_lhs_m, d_rhs_m = _run(D.JlaPlan())
+    assert np.all(np.asarray(y[228:], np.float32) == 7.0) and np.all(np.asarray(d_lhs[228:], np.float32) == 7.0)
+    for a, b in ((y, y_m), (d_lhs, d_lhs_m)):
+        np.testing.assert_array_equal(np.asarray(a[:228], np.float32), np.asarray(b[:228], np.float32))
+    np.testing.assert_array_equal(np.asarray(d_rhs, np.float32), np.asarray(d_rhs_m, np.float32))
+    assert float(jnp.abs(y_m[228:]).max()) == 0.0 and float(jnp.abs(d_lhs_m[228:]).max()) == 0.0
+    assert ("fwd", None) in calls
+    lhs = jnp.ones((6, 3)); rhs = jnp.ones((2, 3, 4)); sizes = jnp.array([2, 3], jnp.int32)
+    for impl in ("xla", "blocked"):
+        out = D.grouped_matmul(lhs, rhs, sizes, implementation=impl, full_groups=True)
+        np.testing.assert_array_equal(out, np.concatenate([np.full((5, 4), 3.0), np.zeros((1, 4))]))
+
+
+def test_dropless_moe_through_jla_promises_full_groups_and_matches_xla(monkeypatch):
+    """dropless_moe's groups come from permute (every routed row counted), so it passes full_groups=True;
+    through the stand-in jla kernels it equals the xla path, forward and gradients."""
+    _fake_jla(monkeypatch)
+    seen = []
+    real = D._FULL_GROUPS_VARIANTS["jla"]
+    monkeypatch.setitem(D._FULL_GROUPS_VARIANTS, "jla", lambda *a: seen.append(a[0].shape) or real(*a))
+    tokens, top_k, d, f, e = 64, 2, 128, 128, 4
+    ks = jax.random.split(jax.random.PRNGKey(4), 5)
+    x = jax.random.normal(ks[0], (tokens, d)).astype(jnp.bfloat16)
+    ws = [(jax.random.normal(k, s) * s[1] ** -0.5).astype(jnp.bfloat16)
+          for k, s in zip(ks[1:4], [(e, d, f), (e, d, f), (e, f, d)])]
+    ids = jax.lax.top_k(jax.random.normal(ks[4], (tokens, e)), top_k)[1].astype(jnp.int32)
+    w = jnp.full((tokens, top_k), 0.5, jnp.float32)
+
+    def run(impl):
+        f_ = lambda x, *ws: jnp.sum(D.dropless_moe(x, ids, w, *ws, implementation=impl) ** 2)  # noqa: E731
+        return jax.value_and_grad(f_, argnums=(0, 1, 2, 3))(x, *ws)
+
+    (v, g), (v_x, g_x) = run("jla"), run("xla")
+    assert seen == [(tokens * top_k, d), (tokens * top_k, d), (tokens * top_k, f)]
+    assert abs(float(v) - float(v_x)) < 1e-2 * abs(float(v_x))
+    for a, b in zip(g, g_x):
+        assert _rel(a, b) < 2e-2
 
 
 @pytest.mark.parametrize("split_rows", [None, 64, 1])
@@ -185,15 +233,17 @@ def test_wide_tile_used_for_d_lhs_where_it_divides(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [D.JlaPlan(), D.JlaPlan(d_rhs_split_rows=256),
-                                  D.JlaPlan("PERSISTENT_WS", "PERSISTENT_WS", 512), D.JLA_PLAN])
-def test_jla_plans_on_the_gpu_match_xla(plan):
+@pytest.mark.parametrize("plan,full_groups", [(D.JlaPlan(), False), (D.JlaPlan(d_rhs_split_rows=256), False),
+                                              (D.JlaPlan("PERSISTENT_WS", "PERSISTENT_WS", 512), False),
+                                              (D.JLA_PLAN, False), (D.JLA_PLAN, True)])
+def test_jla_plans_on_the_gpu_match_xla(plan, full_groups):
     """The real jla kernels (H100/H200) under every candidate plan: output, d_lhs, d_rhs against XLA's
-    ragged_dot with skewed sizes, an empty group and 256 tail rows."""
+    ragged_dot with skewed sizes, an empty group and 256 tail rows (none with full_groups)."""
     if not D._importable("jla"):
         pytest.skip("jax-linear-attention not installed")
     m, k, n = 2048, 256, 512
-    sizes = jnp.array([1200, 0, 37, 300, 5, 100, 50, 100], jnp.int32)
+    sizes = jnp.array([1200, 0, 37, 300, 5, 100, 50, 356 if full_groups else 100], jnp.int32)
+    total = int(sizes.sum())
     lhs = jax.random.normal(jax.random.PRNGKey(0), (m, k)).astype(jnp.bfloat16)
     rhs = (jax.random.normal(jax.random.PRNGKey(1), (8, k, n)) * k ** -0.5).astype(jnp.bfloat16)
     cot = jax.random.normal(jax.random.PRNGKey(2), (m, n)).astype(jnp.bfloat16)
@@ -203,10 +253,11 @@ def test_jla_plans_on_the_gpu_match_xla(plan):
         y, vjp = jax.vjp(f, lhs, rhs)
         return (y, *vjp(cot))
 
-    got = jax.jit(lambda: run(lambda a, b: D._jla_grouped_matmul(a, b, sizes, jnp.bfloat16, plan)))()
+    got = jax.jit(lambda: run(lambda a, b: D._jla_grouped_matmul(a, b, sizes, jnp.bfloat16, plan, full_groups)))()
     ref = jax.jit(lambda: run(lambda a, b: D.grouped_matmul(a, b, sizes, implementation="xla",
                                                              preferred_element_type=jnp.float32)))()
     for g, r in zip(got, ref):
         assert _rel(g, r) < 8e-3
-    assert float(jnp.abs(got[0][1792:]).max()) == 0.0 and float(jnp.abs(got[1][1792:]).max()) == 0.0
+    assert float(jnp.abs(got[0][total:]).max(initial=0.0)) == 0.0
+    assert float(jnp.abs(got[1][total:]).max(initial=0.0)) == 0.0
     assert float(jnp.abs(got[2][1]).max()) == 0.0

@@ -288,6 +288,13 @@ class JlaPlan:
         expert's contraction is spread over more SMs; applied only where ``E + M // S <=``
         ``LIBRARY_MAX_GROUPS``.
 
+    Measured on the H200 (issue #5, experiments/results/grouped_gemm_ops_h200.md: M=32768, K=2048,
+    N=1024, 64 groups, bf16, medians of batched calls): jla's default tiling (PERSISTENT) is the
+    fastest of jla's five named tilings and three unnamed ones for the forward and for d_lhs, with
+    balanced and Zipf(1.5)-skewed groups; the d_rhs split costs 1.86 vs 1.06 ms fwd+bwd skewed (the
+    fp32 segment sum of the pieces dominates; jla's d_rhs is only 7% slower skewed than balanced), so
+    :data:`JLA_PLAN` is jla's own choice everywhere.
+
     Raises:
       ValueError: ``d_rhs_split_rows < 1`` or a config that is neither None nor a name.
     """
@@ -331,21 +338,22 @@ def _jla_d_rhs(jla_ragged_dot, lhs, d_out, group_sizes, num_groups: int, split_r
     return total.astype(lhs.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _jla_ragged_dot(lhs, rhs, group_sizes, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _jla_ragged_dot(lhs, rhs, group_sizes, plan, full_groups):
     from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415 -- optional GPU dependency
 
     cfg = _jla_tile(jla_ragged_dot, plan.forward_config, rhs.shape[1], rhs.shape[2], both=True)
-    if cfg is None:
-        return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes)
-    return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes, config=cfg)
+    kwargs = {} if cfg is None else {"config": cfg}
+    if full_groups:  # else jla zeroes the rows past the groups with a select over the whole output
+        kwargs["full_groups"] = True
+    return jla_ragged_dot.ragged_dot(lhs, rhs, group_sizes, **kwargs)
 
 
-def _jla_ragged_dot_fwd(lhs, rhs, group_sizes, plan):
-    return _jla_ragged_dot(lhs, rhs, group_sizes, plan), (lhs, rhs, group_sizes)
+def _jla_ragged_dot_fwd(lhs, rhs, group_sizes, plan, full_groups):
+    return _jla_ragged_dot(lhs, rhs, group_sizes, plan, full_groups), (lhs, rhs, group_sizes)
 
 
-def _jla_ragged_dot_bwd(plan, residuals, d_out):
+def _jla_ragged_dot_bwd(plan, full_groups, residuals, d_out):
     from jla.ops.mosaic_gpu import ragged_dot as jla_ragged_dot  # noqa: PLC0415
 
     lhs, rhs, group_sizes = residuals
@@ -356,7 +364,8 @@ def _jla_ragged_dot_bwd(plan, residuals, d_out):
     # per group (or per virtual group, summed).
     cfg = jla_ragged_dot._config_for(_jla_tile(jla_ragged_dot, plan.d_lhs_config, n, k), n, k)  # noqa: SLF001
     d_lhs = jla_ragged_dot._ragged_dot_kernel(d_out, rhs, group_sizes, transpose_rhs=True, cfg=cfg)  # noqa: SLF001
-    d_lhs = _mask_tail_rows(d_lhs, group_sizes)
+    if not full_groups:
+        d_lhs = _mask_tail_rows(d_lhs, group_sizes)
     d_rhs = _jla_d_rhs(jla_ragged_dot, lhs, d_out, group_sizes, rhs.shape[0], plan.d_rhs_split_rows)
     return _match_varying_axes(d_lhs, lhs), _match_varying_axes(d_rhs.astype(rhs.dtype), rhs), None
 
@@ -364,14 +373,18 @@ def _jla_ragged_dot_bwd(plan, residuals, d_out):
 _jla_ragged_dot.defvjp(_jla_ragged_dot_fwd, _jla_ragged_dot_bwd)
 
 
-def _jla_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, plan: JlaPlan | None = None):
+def _jla_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, plan: JlaPlan | None = None,
+                        full_groups: bool = False):
     """jax-linear-attention 0.1.0 Mosaic GPU grouped GEMM (``jla.ops.mosaic_gpu.ragged_dot``): forward
     and d_lhs by its ragged kernel, d_rhs by its transposed kernel, bf16 cotangent; our VJP repeats
     jla's with the static choices of ``plan`` (default :data:`JLA_PLAN`) and marks the cotangents'
     manual mesh axes (so it runs under ``jax.shard_map``). Its output has the operand dtype: an fp32
-    result is the bf16 output cast up (fp32 accumulation, bf16 rounding of the result)."""
+    result is the bf16 output cast up (fp32 accumulation, bf16 rounding of the result).
+    ``full_groups=True`` (the caller's promise that ``sum(group_sizes) == M``) skips zeroing the rows
+    past the groups in the output and in d_lhs (jla's ``full_groups``)."""
     plan = JLA_PLAN if plan is None else plan
-    return _jla_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), plan).astype(preferred_element_type)
+    out = _jla_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), plan, bool(full_groups))
+    return out.astype(preferred_element_type)
 
 
 def _jla_supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:
@@ -406,6 +419,9 @@ GROUPED_MATMUL_SUPPORTED: dict[str, Callable] = {
     "tokamax": _library_supported("tokamax"),
     "jla": _jla_supported,
 }
+# Variants used by grouped_matmul(full_groups=True): same contract, but rows past sum(group_sizes) are
+# unspecified (the caller promises there are none); the others zero them anyway.
+_FULL_GROUPS_VARIANTS: dict[str, Callable] = {"jla": functools.partial(_jla_grouped_matmul, full_groups=True)}
 # Library kernels tried, in order, by implementation=None on GPU. jla first, on the H200 measurement
 # (experiments/results/moe_gemm_h200.md, 2026-11-30): fwd+bwd 1.20 ms balanced / 1.66 ms skewed vs
 # tokamax 2.12 / 2.80 ms (torch._grouped_mm 0.97 / 1.17), MoE layer fwd+bwd 15.2 vs 29.4 ms, and
@@ -490,6 +506,7 @@ def grouped_matmul(
     *,
     implementation: str | None = None,
     preferred_element_type=jnp.float32,
+    full_groups: bool = False,
 ) -> jax.Array:
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
@@ -505,6 +522,13 @@ def grouped_matmul(
         shapes/dtypes, else "xla"), or a name in ``GROUPED_MATMUL_IMPLEMENTATIONS``. Fail-closed: an
         unknown name, or a name whose ``supported`` check rejects the call, raises.
       preferred_element_type: accumulation/output dtype (fp32 default: bf16 operands, fp32 accum).
+      full_groups: the caller's promise that ``sum(group_sizes) == M`` (every row in a group, as after
+        :func:`permute`). Implementations in ``_FULL_GROUPS_VARIANTS`` ("jla") then skip zeroing the
+        rows past the groups in the output and in d_lhs (jla's ``full_groups``; torch._grouped_mm
+        does no such pass either): one read + write of ``[M, N]`` and of ``[M, K]`` less, 0.09 ms of
+        1.0 ms fwd+bwd at the shape of grouped_gemm_ops_h200.md when nothing fuses them. Cannot be
+        checked on traced sizes: with ``sum < M`` those rows are then unspecified. Default False is
+        always correct.
 
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
@@ -529,6 +553,8 @@ def grouped_matmul(
         ok, reason = grouped_matmul_supported(name, lhs, rhs, group_sizes, preferred_element_type)
         if not ok:
             raise ValueError(f"{implementation=} does not support this call: {reason}")
+    if full_groups and name in _FULL_GROUPS_VARIANTS:
+        return _FULL_GROUPS_VARIANTS[name](lhs, rhs, group_sizes, preferred_element_type)
     return GROUPED_MATMUL_IMPLEMENTATIONS[name](lhs, rhs, group_sizes, preferred_element_type)
 
 
@@ -591,6 +617,7 @@ def grouped_swiglu(
     w_down: jax.Array,
     *,
     implementation: str | None = None,
+    full_groups: bool = False,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows: ``(silu(x W_g) ⊙ x W_u) W_d`` per group (Shazeer 2020).
 
@@ -598,15 +625,17 @@ def grouped_swiglu(
       x_sorted: ``[M, D]``; group_sizes ``[E]``; w_gate, w_up ``[E, D, F]``; w_down ``[E, F, D]``, all
         in the compute dtype (bf16 in training). Matmuls accumulate in fp32; the hidden activation is
         cast back to the compute dtype before the down projection.
-      implementation: passed to :func:`grouped_matmul`.
+      implementation, full_groups: passed to :func:`grouped_matmul` (``full_groups``: the caller
+        promises ``sum(group_sizes) == M``).
 
     Returns:
       ``[M, D]`` fp32.
     """
-    g = grouped_matmul(x_sorted, w_gate, group_sizes, implementation=implementation)
-    u = grouped_matmul(x_sorted, w_up, group_sizes, implementation=implementation)
+    gmm = functools.partial(grouped_matmul, implementation=implementation, full_groups=full_groups)
+    g = gmm(x_sorted, w_gate, group_sizes)
+    u = gmm(x_sorted, w_up, group_sizes)
     h = (jax.nn.silu(g) * u).astype(x_sorted.dtype)
-    return grouped_matmul(h, w_down, group_sizes, implementation=implementation)
+    return gmm(h, w_down, group_sizes)
 
 
 def dropless_moe(
@@ -631,7 +660,9 @@ def dropless_moe(
     """
     num_experts = w_gate.shape[0]
     x_sorted, perm = permute(x, expert_ids, num_experts)
-    y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation)
+    # permute's group sizes count every one of the N·k rows: the groups are full.
+    y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation,
+                              full_groups=True)
     return combine(y_sorted, perm, weights)
 
 
