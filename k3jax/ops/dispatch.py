@@ -651,7 +651,9 @@ def dropless_moe(
     """Dropless MoE SwiGLU: ``y_i = Σ_s w_is · FFN_{e_is}(x_i)`` via permute → grouped matmuls → combine.
 
     Args:
-      x: ``[N, D]`` tokens (compute dtype). expert_ids: ``[N, k]`` int32. weights: ``[N, k]`` fp32.
+      x: ``[N, D]`` tokens (compute dtype). expert_ids: ``[N, k]`` int32 in ``[0, E)`` (every row then
+        lands in a group, so the grouped matmuls run with ``full_groups=True``; an id outside that range
+        gives its row an unspecified output with the "jla" kernels). weights: ``[N, k]`` fp32.
       w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]`` (compute dtype).
       implementation: grouped-matmul implementation (see :func:`grouped_matmul`).
 
