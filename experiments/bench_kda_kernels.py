@@ -85,7 +85,7 @@ flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the pr
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
                   "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
                   "at --check_shape): 'base' or '+'-joined names from split_bwd, par_out, "
-                  "bf16_state")
+                  "bf16_state, bf16_intra, xla_cumsum")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
                    "seconds since the start (0 = no limit)")
@@ -238,12 +238,18 @@ def time_op(name, fn, B, T, H, K, iters, warmup):
             f"{name}_fwd_bwd": median_ms(fb, q, k, v, g, beta, **kw)}
 
 
-ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS, "intra_fwd_save": common.FWD_ABLATIONS,
-                  "state_fwd": common.STATE_ABLATIONS, "intra_bwd": common.BWD_ABLATIONS,
-                  "intra_bwd_split": (), "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
+# Kernel rows: the kernels' private ablations, plus "gate_cumsum" (a real option, not an ablation:
+# the kernel reads the chunk cumsum G instead of g; the XLA cumsum is not in the kernel row).
+ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
+                  "intra_fwd_save": common.FWD_ABLATIONS + ("gate_cumsum",),
+                  "state_fwd": common.STATE_ABLATIONS,
+                  "intra_bwd": common.BWD_ABLATIONS + ("gate_cumsum",),
+                  "intra_bwd_split": ("bf16_dots", "gate_cumsum"), "state_fwd_vp": ("bf16_dots",),
+                  "output_fwd": ("bf16_dots",)}
 # --variants: names of ops.KernelOptions fields ("a+b" sets both; "base" = KernelOptions()).
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
-                  "bf16_state": "bf16_state_dots"}
+                  "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
+                  "xla_cumsum": "xla_gate_cumsum"}
 
 
 def variant_options(spec: str) -> ops.KernelOptions:
@@ -286,10 +292,12 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     fdt = ops.factor_dtypes(bf)
     params = common.pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     prec = common.BF16_OPERANDS if "bf16_dots" in ablate else common.mm_precision(bf)
+    gc = "gate_cumsum" in ablate
+    ablate = tuple(a for a in ablate if a != "gate_cumsum")
     if kernel in ("intra_fwd", "intra_fwd_save"):
         return lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                         factor_dtype=fdt, save_solve=kernel == "intra_fwd_save",
-                                        _ablate=ablate, _params=params)
+                                        gate_cumsum=gc, _ablate=ablate, _params=params)
     if kernel == "state_fwd":
         return lambda fac, h0: fwd.state_fwd(
             *fac, h0, chunk_size=CHUNK, block_v=min(K, 64), interpret=interpret,
@@ -303,10 +311,13 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     if kernel == "output_fwd":
         return lambda *a: fwd.output_fwd(*a, chunk_size=CHUNK, out_dtype=bf, interpret=interpret,
                                          precision=prec, _params=params)
-    if kernel in ("intra_bwd", "intra_bwd_split"):
+    if kernel == "intra_bwd":
         return lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
-                                        split=kernel == "intra_bwd_split", _ablate=ablate,
-                                        _params=params)
+                                        gate_cumsum=gc, _ablate=ablate, _params=params)
+    if kernel == "intra_bwd_split":
+        return lambda *a: bwd.intra_bwd_split(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                              bf16_dots="bf16_dots" in ablate, gate_cumsum=gc,
+                                              _params=params)
     raise ValueError(f"{kernel=} is not a profiled kernel; expected one of {tuple(ABLATION_NAMES)}")
 
 

@@ -219,6 +219,12 @@ def _reverse_cumsum(dG, ablate):
     return jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG
 
 
+def _last_row_plus(dG, dG_last):
+    """dG [C, K] with dG_last [1, K] added to its last row."""
+    last = lax.broadcasted_iota(jnp.int32, (dG.shape[0], 1), 0) == dG.shape[0] - 1
+    return dG + jnp.where(last, dG_last, 0.0)
+
+
 def _precisions(dtype, ablate):
     """(p, exact): the mm and exact dot precisions of the backward for inputs of `dtype`."""
     p = cm.BF16_OPERANDS if "bf16_dots" in ablate else cm.mm_precision(dtype)
@@ -227,13 +233,13 @@ def _precisions(dtype, ablate):
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                       w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
-                      dtype, ablate=frozenset()):
+                      dtype, ablate=frozenset(), gate_cumsum=False):
     if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
         _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                            w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref)
         return
     C = q_ref.shape[0]
-    gate = cm.Gate(g_ref[...].astype(F32), ablate)
+    gate = cm.gate_of(g_ref, ablate, gate_cumsum)
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
     p, exact = _precisions(dtype, ablate)
@@ -243,8 +249,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
                          a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=ablate)
     dq, dk, dG = _score_bwd(gate, q, k, r["dq"], r["dk"], r["dG"], r["dM"], r["dAqk"], scale=scale,
                             p=p, exact=exact, ablate=ablate)
-    # dg = reverse cumsum of dG within the chunk, plus dG_last on every row.
-    dg = _reverse_cumsum(dG, ablate) + r["dG_last"]
+    # dg = reverse cumsum of dG within the chunk, plus dG_last on every row (gate_cumsum: the
+    # caller's XLA reverse cumsum spreads dG_last, added to the last row, over the chunk).
+    dg = _last_row_plus(dG, r["dG_last"]) if gate_cumsum else _reverse_cumsum(dG, ablate) + r["dG_last"]
     dg_ref[...] = dg.astype(dg_ref.dtype)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -254,10 +261,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
 
 def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                         w_ref, u_ref, a_ref, m_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref,
-                        dgl_ref, dm_ref, daqk_ref, *, scale, dtype):
+                        dgl_ref, dm_ref, daqk_ref, *, scale, dtype, flags=frozenset()):
     C = q_ref.shape[0]
-    gate = cm.Gate(g_ref[...].astype(F32))
-    p, exact = _precisions(dtype, frozenset())
+    gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
+    p, exact = _precisions(dtype, flags)
     r = _state_solve_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32),
                          v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
                          h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
@@ -274,14 +281,17 @@ def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_
 
 
 def _intra_bwd_b_kernel(q_ref, k_ref, g_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref,
-                        dq_ref, dk_ref, dg_ref, *, scale, dtype):
-    gate = cm.Gate(g_ref[...].astype(F32))
-    p, exact = _precisions(dtype, frozenset())
+                        dq_ref, dk_ref, dg_ref, *, scale, dtype, flags=frozenset()):
+    gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
+    p, exact = _precisions(dtype, flags)
     dq, dk, dG = _score_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32), dqp_ref[...],
                             dkp_ref[...], dgp_ref[...], dm_ref[...], daqk_ref[...], scale=scale,
                             p=p, exact=exact, ablate=frozenset())
     dgl = dgl_ref[...].reshape(1, dG.shape[1])
-    dg_ref[...] = (_reverse_cumsum(dG, frozenset()) + dgl).astype(dg_ref.dtype)
+    if "gate_cumsum" in flags:
+        dg_ref[...] = _last_row_plus(dG, dgl).astype(dg_ref.dtype)
+    else:
+        dg_ref[...] = (_reverse_cumsum(dG, frozenset()) + dgl).astype(dg_ref.dtype)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
 
@@ -304,7 +314,8 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 
 
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
-              interpret: bool, split: bool = False, _ablate: tuple[str, ...] = (), _params=None):
+              interpret: bool, split: bool = False, bf16_dots: bool = False,
+              gate_cumsum: bool = False, _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -315,7 +326,13 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     Returns (token-major): dq, dk [B, T, H, K] (q's dtype), dv [B, T, H, V] (v's dtype),
       dg [B, T, H, K] fp32, dbeta [B, T, H] fp32.
     split: run it as two kernels (intra_bwd_split) instead of one: fewer live values per kernel
-      for ~2.7 GB more HBM traffic at 8x4096x16, K = V = 128; same values up to rounding order.
+      for ~2.7 GB more HBM traffic at 8x4096x16, K = V = 128; the same dots in the same order.
+    bf16_dots: bf16 inputs only: the mm-precision dots (state products, dX, dY, dA, off-diagonal
+      score tiles) take bf16 operands (BF16_OPERANDS, as fla) instead of fp32 operands at TF32; the
+      exact dots stay bf16x3 (ops.KernelOptions.bf16_intra_dots).
+    gate_cumsum: g is the chunk-local cumsum G (as intra_fwd's), and the returned dg is per row
+      BEFORE the reverse cumsum (dG with dG_last added on each chunk's last row): the caller applies
+      common.chunk_cumsum(dg, C, reverse=True) (ops.KernelOptions.xla_gate_cumsum).
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
@@ -326,7 +343,10 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
         if ablate:
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
-                               chunk_size=chunk_size, interpret=interpret, _params=_params)
+                               chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
+                               gate_cumsum=gate_cumsum, _params=_params)
+    if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
+        ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -338,7 +358,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate)
+    kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate,
+                               gate_cumsum=gate_cumsum)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
@@ -353,7 +374,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
 
 
 def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
-                    interpret: bool, _params=None):
+                    interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
+                    _params=None):
     """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
@@ -375,8 +397,10 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
     tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
     params = _params or cm.INTRA_PARAMS
+    flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+                       else set()) | ({"gate_cumsum"} if gate_cumsum else set()))
     dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk = pl.pallas_call(
-        functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype), grid=(B, H, NT),
+        functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
         out_specs=[iv, ib, tk, tk, tk, tg, ta, ta],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
@@ -387,7 +411,7 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
         interpret=interpret, compiler_params=params, name="kda_intra_bwd_a",
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_intra_bwd_b_kernel, scale=scale, dtype=q.dtype), grid=(B, H, NT),
+        functools.partial(_intra_bwd_b_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
         in_specs=[ik, ik, ik, tk, tk, tk, tg, ta, ta],
         out_specs=[ik, ik, ik],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 BT = 16  # diagonal tile / row-block length (tokens): the unit the lower_bound argument is made for
@@ -125,7 +126,9 @@ def row_sums(x):
 #   score_diag     intra_bwd: the 4 exact diagonal-tile dots of the score backward
 #   score_offdiag  intra_bwd: the 12 off-diagonal row-block dots of the score backward
 #   exact_dots     intra_bwd: the exact (bf16x3) dots at mm precision instead (one TF32 pass)
-#   bf16_dots      the mm-precision (TF32) dots with bf16 operands instead (BF16_OPERANDS)
+#   bf16_dots      the mm-precision (TF32) dots with bf16 operands instead (BF16_OPERANDS); this
+#                  one only changes rounding and is also the real option bf16_dots=True of
+#                  intra_fwd / intra_bwd (ops.KernelOptions.bf16_intra_dots)
 #   compute   all arithmetic: outputs are cheap functions of every input (the I/O + launch floor)
 #   output    state_fwd: o = Qg S + Aqk V' (2 dots per chunk; o = V' is stored instead)
 FWD_ABLATIONS = ("gate", "cumsum", "scores", "solve", "wu", "bf16_dots", "compute")
@@ -164,22 +167,27 @@ class Gate:
     G: inclusive cumsum [C, K]; G_last: [1, K]; anc: list of the ns = C / 16 row-block anchors
     [1, K] (anc[0] = 0); anc_rows [C, K]: each row's block anchor; rb: [C, 1] row-block index;
     ea = exp(G - anchor of the row's block) [C, K] (<= 1).
+
+    row: None, or a function i -> row i [1, K] of the cumsum loaded from the kernel's ref: then g IS
+    the chunk-local inclusive cumsum G (computed by XLA outside the kernel, ops.KernelOptions.
+    xla_gate_cumsum) and the anchors and G_last are ref loads instead of masked reductions.
     """
 
-    def __init__(self, g, ablate=frozenset()):
+    def __init__(self, g, ablate=frozenset(), *, row=None):
         C = g.shape[0]
         self.ns = C // BT
         self.rb = row_block(C)
         simple = "gate" in ablate                 # profiling ablations (see FWD_ABLATIONS)
-        self.G = g if simple or "cumsum" in ablate else jnp.cumsum(g, axis=0)
+        cumulative = row is not None or simple or "cumsum" in ablate
+        self.G = g if cumulative else jnp.cumsum(g, axis=0)
+        pick = (lambda i: row(i).astype(F32)) if row is not None else (lambda i: pick_row(self.G, i))
         if simple:
             self.G_last = jnp.zeros((1, g.shape[1]), F32)
             self.anc = [self.G_last] * self.ns
             self.anc_rows = jnp.zeros_like(self.G)
         else:
-            self.G_last = pick_row(self.G, C - 1)
-            self.anc = [jnp.zeros_like(self.G_last)] + [pick_row(self.G, r * BT - 1)
-                                                       for r in range(1, self.ns)]
+            self.G_last = pick(C - 1)
+            self.anc = [jnp.zeros_like(self.G_last)] + [pick(r * BT - 1) for r in range(1, self.ns)]
             anc_rows = jnp.zeros_like(self.G)
             for r in range(1, self.ns):
                 anc_rows = jnp.where(self.rb == r, self.anc[r], anc_rows)
@@ -193,6 +201,21 @@ class Gate:
     def eb(self, r: int):
         """exp(anc_r - G) on rows of blocks <= r, 1 on later rows (unused) [C, K]; <= e^{16|lb|}."""
         return jnp.exp(jnp.where(self.rb <= r, self.anc[r] - self.G, 0.0))
+
+
+def gate_of(g_ref, ablate=frozenset(), gate_cumsum: bool = False) -> Gate:
+    """Gate of the chunk in g_ref [C, K]: per-token log-decay g, or with gate_cumsum its chunk-local
+    inclusive cumsum G (rows of the anchors and G_last then loaded from the ref)."""
+    row = (lambda i: g_ref[pl.ds(i, 1), :]) if gate_cumsum else None
+    return Gate(g_ref[...].astype(F32), ablate, row=row)
+
+
+def chunk_cumsum(g, chunk_size: int, reverse: bool = False):
+    """Chunk-local inclusive cumsum over T of g [B, T, H, K] (fp32, XLA; T % chunk_size == 0);
+    reverse=True: the suffix sums sum_{j >= i} within each chunk."""
+    B, T, H, K = g.shape
+    x = g.reshape(B, T // chunk_size, chunk_size, H, K)
+    return lax.cumsum(x, axis=2, reverse=reverse).reshape(B, T, H, K)
 
 
 def anchored_scores(a, b, gate: Gate, *, dtype):

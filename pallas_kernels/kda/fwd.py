@@ -28,12 +28,12 @@ from pallas_kernels.kda.common import F32
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
                       qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs, scale, dtype,
-                      ablate=frozenset()):
+                      ablate=frozenset(), gate_cumsum=False):
     if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
         _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref,
                            aqk_ref, gl_ref, *solve_refs)
         return
-    gate = cm.Gate(g_ref[...].astype(F32), ablate)
+    gate = cm.gate_of(g_ref, ablate, gate_cumsum)
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
     qg_ref[...] = (scale * q * jnp.exp(gate.G)).astype(qg_ref.dtype)
@@ -75,7 +75,8 @@ def _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_r
 
 
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
-              factor_dtype=F32, save_solve: bool = False, _ablate: tuple[str, ...] = (),
+              factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
+              gate_cumsum: bool = False, _ablate: tuple[str, ...] = (),
               _params=None):
     """Per-chunk factors, one program per (batch, head, chunk).
 
@@ -88,12 +89,18 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
       factor_dtype; gl = e^{G_last} [B,H,NT,K] fp32; with save_solve also A = (I + L)^-1 and M (the
       unweighted strictly lower k.k anchored scores, L = beta M), each [B,H,T,C] fp32 (row block c
       holds the chunk's matrix), for the backward.
+      bf16_dots: bf16 inputs only: the solve and W / U dots take bf16 operands (BF16_OPERANDS, as
+        fla) instead of fp32 operands at TF32 (ops.KernelOptions.bf16_intra_dots).
+      gate_cumsum: g is already the chunk-local inclusive cumsum G (common.chunk_cumsum, fp32;
+        ops.KernelOptions.xla_gate_cumsum): no cumsum and no anchor reductions in the kernel.
       _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
         common.FWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
       _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
     Raises: ValueError for an unknown _ablate name.
     """
     ablate = cm.check_ablate(_ablate, cm.FWD_ABLATIONS, "_ablate")
+    if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
+        ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -113,7 +120,8 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     if save_solve:
         out_shape += [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
         out_specs += [ta, ta]
-    kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate)
+    kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate,
+                               gate_cumsum=gate_cumsum)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib],

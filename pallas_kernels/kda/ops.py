@@ -112,11 +112,20 @@ class KernelOptions:
       (fwd.output_fwd), as fla's chunk_kda forward. Forward-only calls then write the states too.
     bf16_state_dots: bf16 inputs only: the forward's state / output dots take bf16 operands (S, V'
       rounded to bf16 per dot, as fla) instead of TF32 fp32 operands; fp32 inputs ignore it.
+    bf16_intra_dots: bf16 inputs only: the TF32 dots of intra_fwd (solve, W, U) and intra_bwd (state
+      products, dX, dY, dA, off-diagonal score tiles) take bf16 operands (as fla); the bf16x3 dots
+      stay; fp32 inputs ignore it.
+    xla_gate_cumsum: the chunk-local cumsum of g (forward) and the reverse cumsum of dG (backward)
+      run in XLA (common.chunk_cumsum; ~0.3 GB read + write each at 8x4096x16) instead of inside
+      intra_fwd / intra_bwd, whose anchors then are ref loads (the round-3 profile measured the
+      in-kernel cumsums at ~1.4 ms of intra_fwd and ~5 ms of intra_bwd).
     """
 
     split_intra_bwd: bool = False
     parallel_output: bool = False
     bf16_state_dots: bool = False
+    bf16_intra_dots: bool = False
+    xla_gate_cumsum: bool = False
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -195,8 +204,11 @@ def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpre
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
     options.parallel_output, whose output kernel reads them).
     """
+    if options.xla_gate_cumsum:
+        g = common.chunk_cumsum(g, chunk_size)
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                        factor_dtype=factor_dtypes(q.dtype))
+                        factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
+                        gate_cumsum=options.xla_gate_cumsum)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -206,9 +218,13 @@ def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpre
 def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret, options):
     # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
+    # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
+    if options.xla_gate_cumsum:
+        g = common.chunk_cumsum(g, chunk_size)
     *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                                interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
-                               save_solve=True)
+                               save_solve=True, bf16_dots=options.bf16_intra_dots,
+                               gate_cumsum=options.xla_gate_cumsum)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -232,7 +248,11 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, c
                                     state_dtype=h.dtype, **kw)
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret,
-                                          split=options.split_intra_bwd)
+                                          split=options.split_intra_bwd,
+                                          bf16_dots=options.bf16_intra_dots,
+                                          gate_cumsum=options.xla_gate_cumsum)
+    if options.xla_gate_cumsum:
+        dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
 
 
