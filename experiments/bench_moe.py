@@ -94,9 +94,9 @@ def _write(results):
         if "error" in r:
             lines.append(f"{head} not run: {r['error'][:100]} | | | | | |")
             continue
-        ratio = r["fwdbwd_ms"] / torch_fb[r["groups"]] if r.get("groups") in torch_fb else float("nan")
+        ratio = f"{r['fwdbwd_ms'] / torch_fb[r['groups']]:.2f}" if r.get("groups") in torch_fb else "—"
         errs = " | ".join(f"{r[k]:.1e}" if k in r else "" for k in ("err_out", "err_dlhs", "err_drhs"))
-        lines.append(f"{head} {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {ratio:.2f} | {errs} |")
+        lines.append(f"{head} {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {ratio} | {errs} |")
     if results["layer"]:
         lay = results["layer_shape"]
         lines += ["", f"MoE layer forward+backward: {lay['tokens']} tokens, d_model {lay['d_model']}, expert d_ff "

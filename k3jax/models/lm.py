@@ -102,11 +102,10 @@ class LanguageModel(nnx.Module):
                 value = variable.get_value()
                 if value is None:
                     continue
-                if id(variable) not in experts:  # may be a pytree (balancing state)
-                    variable.set_value(jax.device_put(value, sharding_lib.replicated(self.mesh)))
-                    continue
-                target = (sharding_lib.expert_sharding(self.mesh, value.ndim) if id(variable) in experts
-                          else sharding_lib.replicated(self.mesh))
+                if id(variable) in experts:
+                    target = sharding_lib.expert_sharding(self.mesh, value.ndim)
+                else:  # may be a pytree (balancing state): one sharding for every leaf
+                    target = sharding_lib.replicated(self.mesh)
                 variable.set_value(jax.device_put(value, target))
 
     # -- the stack ---------------------------------------------------------------------------------
