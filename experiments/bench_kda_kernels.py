@@ -81,7 +81,7 @@ flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as 
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
                   "intra_fwd, intra_fwd_save, state_fwd, intra_bwd")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
-                  "row is timed at every value; state_fwd uses them too)")
+                  "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
                   "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
                   "at --check_shape): 'base' or '+'-joined names from split_bwd, par_out, "
@@ -290,7 +290,8 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     sc = K ** -0.5
     bf = jnp.bfloat16
     fdt = ops.factor_dtypes(bf)
-    params = common.pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = (common.pltriton.CompilerParams(num_warps=num_warps, num_stages=1) if num_warps
+              else None)               # 0: the kernel's default (common.*_PARAMS)
     prec = common.BF16_OPERANDS if "bf16_dots" in ablate else common.mm_precision(bf)
     gc = "gate_cumsum" in ablate
     ablate = tuple(a for a in ablate if a != "gate_cumsum")

@@ -134,6 +134,13 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
         return ops.kda_pallas(q, k, v, g, beta, interpret=self.interpret, options=self.options,
                               **kwargs)
 
+    # fp32 across chunks is covered by test_weak_decay_long_memory (fp32, 8 chunks, split 0 and 2).
+    @pytest.mark.parametrize("shape, dtype", [(INTERPRET_SHAPES[0], "float32"),
+                                              (INTERPRET_SHAPES[0], "bfloat16"),
+                                              (INTERPRET_SHAPES[1], "bfloat16")])
+    def test_matches_recurrent_on_fla_shapes(self, shape, dtype):
+        KDAImplementationTests.test_matches_recurrent_on_fla_shapes(self, shape, "bounded", dtype)
+
     test_unbounded_gates_raise = None
     test_segment_ids_equal_each_document_alone = None
     test_check_grads_fp64 = None
