@@ -380,9 +380,11 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
 
     Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
     (_state_solve_bwd): writes dv, dbeta (final, token-major) and, head-major fp32, the partial dq,
-    dk, dG [B, H, T, K], dG_last [B, H, NT, K] and the score gradients dM, dAqk [B, H, T, C]. Kernel b ("kda_intra_bwd_b"): the anchored score-tile backward (_score_bwd) and
-    the reverse cumsum: dq, dk, dg. Round-3 lever 1 (kda_pallas_notes.md): the fused kernel keeps
-    the [V, K] states and the score-tile values live at once; split, each body holds about half.
+    dk, dG [B, H, T, K], dG_last [B, H, NT, K] and the score gradients dM, dAqk [B, H, T, C].
+    Kernel b ("kda_intra_bwd_b"): the anchored score-tile backward (_score_bwd) and the reverse
+    cumsum (or, with gate_cumsum, the per-row dg as intra_bwd's): dq, dk, dg. Round-3 lever 1
+    (kda_pallas_notes.md): the fused kernel keeps the [V, K] states and the score-tile values live
+    at once; split, each body holds about half.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
