@@ -13,8 +13,10 @@ separate torch process, jax-linear-attention) can be added as more entries of `i
 `time_call` only needs a jitted callable and an input factory.
 
 Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
-     [--dtype=bfloat16 --iters=20 --out=experiments/results/kda_cpu]
-Writes <out>.json and <out>.md.
+     [--dtype=bfloat16 --iters=20] --out=experiments/results/kda_cpu
+Writes <out>.json and <out>.md (default --out is under /tmp, never over the committed results).
+Merge runs of several processes (no timing): --from_json=a.json,b.json,a_fla.jsonl --out=...; two
+timing rows of the same implementation, mode, shape and dtype in the inputs raise ValueError.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd")
 flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
-flags.DEFINE_string("out", "experiments/results/kda_cpu", "output path without extension ('' = no files)")
+flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without extension ('' = no files); the "
+                    "committed CPU table is --out=experiments/results/kda_cpu")
 flags.DEFINE_list("from_json", [], "re-render the tables from earlier runs' files (no timing): .json files of "
                   "this script and/or the <out>_fla.jsonl rows of a --fla run (e.g. from another GPU process)")
 flags.DEFINE_integer("check_max_t", 2048, "accuracy check: the first min(T, this) tokens of batch row 0, every "
@@ -225,7 +228,12 @@ def check_errors(op: Callable, B, T, H, K, dtype) -> dict:
 
 
 def load_rows(paths) -> tuple[dict, list[dict]]:
-    """Rows (and the first environment) of earlier runs: this script's .json files and --fla .jsonl rows."""
+    """Rows (and the first environment) of earlier runs: this script's .json files and --fla .jsonl rows.
+
+    Raises:
+      ValueError: no .json file among `paths`; two timing rows with the same implementation, mode,
+        B, T, H, K and dtype (the side-by-side table would silently keep one of them).
+    """
     env, rows = None, []
     for path in paths:
         with open(path) as f:
@@ -237,7 +245,21 @@ def load_rows(paths) -> tuple[dict, list[dict]]:
                 rows += saved["rows"]
     if env is None:
         raise ValueError(f"from_json={paths!r} names no .json file with an environment")
+    seen = set()
+    for r in rows:
+        if r["mode"] == "check":
+            continue
+        key = (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"))
+        if key in seen:
+            raise ValueError(f"from_json={paths!r}: two timing rows for {key} (implementation, mode, B, T, H, K, "
+                             "dtype); leave one of the files out")
+        seen.add(key)
     return env, rows
+
+
+def _ms(x) -> str:
+    """A table cell for milliseconds: '—' for a value not measured (None or NaN, e.g. fla's do_bench rows)."""
+    return "—" if x is None or x != x else f"{x:.2f}"
 
 
 def time_all():
@@ -262,7 +284,7 @@ def time_all():
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
                               iters=FLAGS.iters, warmup=FLAGS.warmup)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
-                           chunk_size=FLAGS.chunk_size, **r)
+                           chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if FLAGS.out:  # keep partial results if the run is cut short
@@ -280,11 +302,19 @@ def main(argv):
         FLAGS.shapes = shapes
     else:
         env, rows = time_all()
+    timed = [r for r in rows if r["mode"] != "check" and r["implementation"] not in ("fla",)]
+    if FLAGS.from_json:  # describe the rows, not this call's flags
+        join = lambda key, default: "/".join(dict.fromkeys(str(r.get(key, default)) for r in timed)) or "?"  # noqa: E731
+        dtype, iters, warmup = join("dtype", "?"), join("iters", "?"), join("warmup", "?")
+        merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
+    else:
+        dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
+    fla_note = " (fla rows: triton do_bench medians)" if any(r["implementation"] == "fla" for r in rows) else ""
     lines = [f"# KDA timings ({env['date']})", "",
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
-             f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {FLAGS.dtype} q/k/v/beta, fp32 g = "
-             f"-5 sigmoid(N(0,1)), lower_bound -5 declared; median of {FLAGS.iters} calls with fresh inputs "
-             f"after {FLAGS.warmup} warm-up calls.", "",
+             f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {dtype} q/k/v/beta, fp32 g = "
+             f"-5 sigmoid(N(0,1)), lower_bound -5 declared; median of {iters} calls with fresh inputs "
+             f"after {warmup if warmup != '?' else 'some'} warm-up calls{fla_note}.{merged}", "",
              "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
     for r in [r for r in rows if r["mode"] == "check"]:
         if "rms_ratio_vs_fp32_recurrent" in r:
@@ -298,7 +328,7 @@ def main(argv):
                and (x["B"], x["T"], x["H"], x["K"]) == (r["B"], r["T"], r["H"], r["K"])]
         speed = f"{ref[0]['median_ms'] / r['median_ms']:.1f}×" if ref else "—"
         lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {r['mode']} | "
-                     f"{r['median_ms']:.2f} | {r.get('min_ms', float('nan')):.2f} | {r.get('max_ms', float('nan')):.2f} | {speed} |")
+                     f"{r['median_ms']:.2f} | {_ms(r.get('min_ms'))} | {_ms(r.get('max_ms'))} | {speed} |")
     peers = {"fla", "jla"}
     if any(r["implementation"] in peers for r in rows):
         lines += ["", "Side by side (median ms; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 "

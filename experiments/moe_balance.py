@@ -198,6 +198,16 @@ def _fmt(values, scale=1.0, digits=3):
 _SAME_IN_MERGE = ("steps", "num_experts", "top_k", "warmup_frac", "jax")
 
 
+def _config_differences(a, b, prefix: str = "") -> list[str]:
+    """Dotted keys where two (nested) base-config dicts differ (a key missing on one side counts)."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [] if a == b else [prefix or "base_config"]
+    out = []
+    for key in dict.fromkeys([*a, *b]):
+        out += _config_differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
+    return out
+
+
 def _process_line(p: dict) -> str:
     return (f"{p.get('file', '?')}: {p.get('device', '?')}, CUDA_VISIBLE_DEVICES={p.get('cuda_visible_devices')}, "
             f"pid {p.get('pid', '?')}, methods {','.join(p.get('methods', []))}, "
@@ -215,7 +225,9 @@ def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
 
     Raises:
       ValueError: fewer than 2 paths; a file without "meta"/"results"; files that disagree on
-        steps, num_experts, top_k, warmup_frac or jax version; a (method, seed) present in two files.
+        steps, num_experts, top_k, warmup_frac, jax version or the base run config (--config and its
+        overrides: the model, data and training the methods are compared on); a (method, seed) present
+        in two files.
     """
     if len(paths) < 2:
         raise ValueError(f"merge needs at least 2 result files; got {paths=}")
@@ -231,6 +243,10 @@ def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
         for key in _SAME_IN_MERGE:
             if m.get(key) != first_meta.get(key):
                 raise ValueError(f"{path=}: {key}={m.get(key)!r} differs from {first_path}'s {first_meta.get(key)!r}")
+        diff = _config_differences(m.get("base_config"), first_meta.get("base_config"))
+        if diff:
+            raise ValueError(f"{path=}: base_config differs from {first_path}'s at {', '.join(diff[:8])}"
+                             f"{' ...' if len(diff) > 8 else ''} (runs of different --config cannot share a table)")
     results: dict[str, list[dict]] = {}
     ran: set[tuple[str, int]] = set()
     processes, skipped, devices = [], [], []
@@ -264,7 +280,11 @@ def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None
     `meta["processes"]`, one header line per process) and `.png` (MaxVio_batch vs step per method)."""
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
-    lines = [f"# MoE balancing comparison ({meta['date']}, {meta['device']}, jax {meta.get('jax', jax.__version__)})", "",
+    where = meta["device"]
+    if meta.get("processes"):  # each process saw its own device(s): say how many and which
+        visible = " / ".join(dict.fromkeys(str(p.get("cuda_visible_devices")) for p in meta["processes"]))
+        where = f"{len(meta['processes'])} processes on {where}, CUDA_VISIBLE_DEVICES {visible}"
+    lines = [f"# MoE balancing comparison ({meta['date']}, {where}, jax {meta.get('jax', jax.__version__)})", "",
              f"E = {meta['num_experts']}, top-{meta['top_k']}, {meta['steps']} steps, seeds requested "
              f"{','.join(meta['seeds'])} (the seeds column counts those that ran); MaxVio_batch / CV / drop / dead / diverted averaged over MoE layers "
              f"and over logged steps after {meta['warmup_frac']:.0%} of training; MaxVio_global on the "
@@ -302,7 +322,7 @@ def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None
     ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    ax.set_title(f"MoE balancing, E={meta['num_experts']} top-{meta['top_k']} ({meta['device']})")
+    ax.set_title(f"MoE balancing, E={meta['num_experts']} top-{meta['top_k']} ({where})", fontsize=9)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
     plt.close(fig)

@@ -1,0 +1,53 @@
+"""Merging result files of separate processes: moe_balance --merge refuses runs of different base
+configs; bench_kda --from_json describes the merged rows (not its own flags) and refuses duplicates."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments import moe_balance
+from tests.test_moe_balance import _meta, _row
+
+
+def test_moe_balance_merge_rejects_different_base_configs(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    meta_a = dict(_meta("d", "0", ["none"], [], 1.0), base_config={"model": {"d_model": 32, "ffn": "moe"}})
+    meta_b = dict(_meta("d", "1", ["aux_loss"], [], 1.0), base_config={"model": {"d_model": 64, "ffn": "moe"}})
+    moe_balance.write_results({"none": [_row(0, 3.0)]}, meta_a, a)
+    moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, meta_b, b)
+    with pytest.raises(ValueError, match=r"base_config differs .* at model\.d_model"):
+        moe_balance.merge_results([a + ".json", b + ".json"])
+    meta_b["base_config"] = meta_a["base_config"]
+    moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, meta_b, b)
+    results, meta = moe_balance.merge_results([a + ".json", b + ".json"])
+    assert list(results) == ["none", "aux_loss"]
+    out = str(tmp_path / "merged")
+    moe_balance.write_results(results, meta, out)
+    title = open(out + ".md").read().splitlines()[0]
+    assert "2 processes on d, CUDA_VISIBLE_DEVICES 0 / 1" in title, title
+
+
+def _bench_kda(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "experiments.bench_kda", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_kda_from_json_header_and_duplicates(tmp_path):
+    repo = __file__.rsplit("/tests/", 1)[0]
+    env = dict(date="2026-12-01T00:00:00+00:00", platform="p", cpu_count=2, backend="cpu", device="cpu",
+               python="3.12", jax="0.11.2", jaxlib="0.11.2", numpy="2")
+    row = dict(implementation="chunked", mode="fwd", B=1, T=64, H=1, K=16, V=16, dtype="float32", chunk_size=64,
+               median_ms=1.0, min_ms=0.9, max_ms=1.1, iters=5, warmup=1, compile_s=0.1)
+    (tmp_path / "a.json").write_text(json.dumps(dict(environment=env, rows=[row])))
+    fla = dict(row, implementation="fla", median_ms=0.5, min_ms=float("nan"), max_ms=float("nan"), iters="do_bench")
+    (tmp_path / "a_fla.jsonl").write_text(json.dumps(fla) + "\n")
+    r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a_fla.jsonl'}", f"--out={tmp_path / 'm'}",
+                   cwd=repo)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "m.md").read_text()
+    assert "float32 q/k/v/beta" in md and "median of 5 calls" in md and "after 1 warm-up calls" in md, md
+    assert "Merged (`--from_json`) from `a.json`, `a_fla.jsonl`" in md
+    assert "| 1×64×1×16 | fla | fwd | 0.50 | — | — |" in md            # do_bench rows have no min/max
+    r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a.json'}", "--out=", cwd=repo)
+    assert r.returncode != 0 and "two timing rows" in r.stderr, r.stderr[-2000:]
