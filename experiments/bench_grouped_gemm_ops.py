@@ -129,6 +129,10 @@ def render_markdown(results: dict) -> str:
         lines.append(f"- {gname}: largest group {stats['max']} rows ({100 * stats['max_fraction']:.1f}%), "
                      f"smallest {stats['min']}, empty {stats['empty']}")
     rows = results["rows"]
+    failed = [r for r in rows if r.get("groups") not in GROUPINGS and r.get("error")]
+    if failed:  # whole implementations that did not run (torch or jla missing, no GPU): say why
+        lines += ["", "Not measured:"] + [
+            f"- {r.get('impl', '?')}: {(r['error'].strip().splitlines() or [''])[-1][:200]}" for r in failed]
     torch_ms = {(r["groups"], r["op"]): r["ms"] for r in rows if r.get("impl") == "torch" and "ms" in r}
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     for gname in GROUPINGS:
@@ -413,6 +417,8 @@ def main(argv):
         _write(results, markdown=True)
         raise SystemExit(f"bench_grouped_gemm_ops: jax-linear-attention (jla) is not installed: {ex}") from ex
     if jax.default_backend() != "gpu":
+        results["rows"].append(dict(impl="jla", groups="", op="",
+                                    error=f"needs an NVIDIA sm_90 GPU; got {jax.default_backend()=}"))
         _write(results, markdown=True)
         raise SystemExit(f"bench_grouped_gemm_ops: needs an NVIDIA sm_90 GPU; got {jax.default_backend()=}")
     _jax_rows(results, groups, start)
