@@ -1,7 +1,8 @@
 """MoE load-balancing comparison: the same small MoE LM trained with every balancing method.
 
   python -m experiments.moe_balance --steps=600 --seeds=0,1,2
-  python -m experiments.moe_balance --methods=quantile_exact,aux_loss --steps=50 --seeds=0   # smoke
+  python -m experiments.moe_balance --methods=quantile_exact,aux_loss --steps=50 --seeds=0 \
+      --workdir_root=/tmp/moe_balance_smoke --out=/tmp/moe_balance_smoke   # smoke (fresh dirs)
   # one H200, the whole table in one call (attention-only MoE LM, see configs/moe_balance_gpu.py):
   python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
       --top_k=4 --steps=300 --time_budget_s=380 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
@@ -96,7 +97,8 @@ def _define_flags():
     _EXPERTS = flags.DEFINE_integer("num_experts", 16, "Routed experts E.")
     _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token k.")
     _WARMUP = flags.DEFINE_float("warmup_frac", 0.25, "MaxVio_batch is averaged over steps after this fraction.")
-    _ROOT = flags.DEFINE_string("workdir_root", "runs/moe_balance", "Run directories: <root>/<method>/seed<s>.")
+    _ROOT = flags.DEFINE_string("workdir_root", "runs/moe_balance", "Run directories: <root>/<method>/seed<s>; "
+                                "must not hold runs of this plan yet (the trainer would resume them).")
     _OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go.")
     _ORDER = flags.DEFINE_enum("order", "seed_major", ["seed_major", "method_major"],
                                "seed_major: seed 0 of every method first (a cut keeps every method).")
@@ -114,6 +116,13 @@ def run_order(methods: list[str], seeds: list[int], order: str) -> list[tuple[st
     if order == "seed_major":
         return [(m, s) for s in seeds for m in methods]
     return [(m, s) for m in methods for s in seeds]
+
+
+def used_workdirs(workdir_root: str, plan: list[tuple[str, int]]) -> list[str]:
+    """The run directories ``<workdir_root>/<method>/seed<seed>`` of ``plan`` that exist and are not empty
+    (``k3jax.train.trainer.train`` would resume from their checkpoints instead of training afresh)."""
+    dirs = [os.path.join(workdir_root, method, f"seed{seed}") for method, seed in plan]
+    return [d for d in dirs if os.path.isdir(d) and os.listdir(d)]
 
 
 def expected_run_seconds(method: str, walls: dict[str, list[float]],
@@ -359,12 +368,17 @@ def main(argv):
             "compilation_cache_dir": _CACHE_DIR.value, "grouped_matmul": grouped_matmul_in_use(),
             "skipped": [], "methods": list(_METHODS.value), "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "base_config": base}
+    plan = run_order(list(_METHODS.value), [int(s) for s in _SEEDS.value], _ORDER.value)
+    used = used_workdirs(_ROOT.value, plan)
+    if used:  # the trainer would RESUME those runs (from another --steps/--config) and report stale metrics
+        raise ValueError(f"--workdir_root={_ROOT.value!r} already holds runs ({', '.join(used[:3])}"
+                         f"{' ...' if len(used) > 3 else ''}); pass a fresh --workdir_root or remove them")
     os.makedirs(_OUT.value, exist_ok=True)
     stem = os.path.join(_OUT.value, _NAME.value or f"moe_balance_{stamp}")
     results: dict[str, list[dict]] = {}
     walls: dict[str, list[float]] = {}
     repeat_walls: dict[str, list[float]] = {}
-    for method, seed in run_order(list(_METHODS.value), [int(s) for s in _SEEDS.value], _ORDER.value):
+    for method, seed in plan:
         elapsed = time.time() - t_start
         expected = expected_run_seconds(method, walls, repeat_walls)
         if _BUDGET.value and elapsed + expected > _BUDGET.value:

@@ -51,3 +51,12 @@ def test_bench_kda_from_json_header_and_duplicates(tmp_path):
     assert "| 1×64×1×16 | fla | fwd | 0.50 | — | — |" in md            # do_bench rows have no min/max
     r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a.json'}", "--out=", cwd=repo)
     assert r.returncode != 0 and "two timing rows" in r.stderr, r.stderr[-2000:]
+
+
+def test_moe_balance_finds_used_run_directories(tmp_path):
+    plan = moe_balance.run_order(["none", "aux_loss"], [0, 1], "seed_major")
+    assert moe_balance.used_workdirs(str(tmp_path), plan) == []
+    (tmp_path / "aux_loss" / "seed1").mkdir(parents=True)
+    assert moe_balance.used_workdirs(str(tmp_path), plan) == []          # empty directory: a fresh run
+    (tmp_path / "aux_loss" / "seed1" / "metrics.jsonl").write_text("{}\n")
+    assert moe_balance.used_workdirs(str(tmp_path), plan) == [str(tmp_path / "aux_loss" / "seed1")]
