@@ -252,7 +252,7 @@ def load_rows(paths) -> tuple[dict, list[dict]]:
         key = (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"))
         if key in seen:
             raise ValueError(f"from_json={paths!r}: two timing rows for {key} (implementation, mode, B, T, H, K, "
-                             "dtype); leave one of the files out")
+                             "dtype); keep one (each --fla run appends to <out>_fla.jsonl)")
         seen.add(key)
     return env, rows
 
