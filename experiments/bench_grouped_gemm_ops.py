@@ -396,6 +396,11 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
 def main(argv):
     del argv
     start = time.time()
+    unknown = sorted(set(_OPS.value) - set(OPS))
+    if unknown:  # a typo would silently drop an op from a GPU run
+        raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
+    if not all(x.isdigit() and int(x) >= 1 for x in _SPLIT_ROWS.value):
+        raise ValueError(f"--split_rows: need integers >= 1; got {_SPLIT_ROWS.value}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     m, e = _M.value, _E.value
     groups = {kind: group_sizes(m, e, kind) for kind in GROUPINGS}
