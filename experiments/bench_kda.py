@@ -38,7 +38,8 @@ from k3jax.ops.kda import kda
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x4096x4x128"], "BxTxHxK shapes (V = K)")
-flags.DEFINE_list("implementations", ["recurrent", "chunked"], "recurrent, chunked, pallas")
+flags.DEFINE_list("implementations", ["recurrent", "chunked"], "recurrent, chunked, pallas, jla (jla: on a GPU "
+                  "with jax-linear-attention installed; one that cannot run here is skipped with a message)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, v, beta")
 flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd")
 flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
@@ -262,6 +263,27 @@ def _ms(x) -> str:
     return "—" if x is None or x != x else f"{x:.2f}"
 
 
+KNOWN_IMPLEMENTATIONS = ("recurrent", "chunked", "pallas", "jla")
+MODES = ("fwd", "fwd+bwd")
+
+
+def check_flags():
+    """Typos fail before any timing: --modes, --implementations, --shapes (BxTxHxK, positive ints).
+
+    Raises:
+      ValueError: naming the flag and the accepted values.
+    """
+    if not FLAGS.modes or set(FLAGS.modes) - set(MODES):
+        raise ValueError(f"--modes: choose from {MODES}; got {FLAGS.modes}")
+    unknown = sorted(set(FLAGS.implementations) - set(KNOWN_IMPLEMENTATIONS))
+    if unknown:
+        raise ValueError(f"--implementations: unknown {unknown}; choose from {KNOWN_IMPLEMENTATIONS}")
+    for shape in FLAGS.shapes:
+        parts = shape.lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes: each must be BxTxHxK with positive integers; got {shape!r}")
+
+
 def time_all():
     """Time every requested implementation, shape and mode; returns (environment, rows)."""
     env = environment()
@@ -301,6 +323,7 @@ def main(argv):
         shapes = list(dict.fromkeys(f"{r['B']}x{r['T']}x{r['H']}x{r['K']}" for r in rows))
         FLAGS.shapes = shapes
     else:
+        check_flags()
         env, rows = time_all()
     timed = [r for r in rows if r["mode"] != "check" and r["implementation"] not in ("fla",)]
     if FLAGS.from_json:  # describe the rows, not this call's flags

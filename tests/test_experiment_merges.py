@@ -60,3 +60,11 @@ def test_moe_balance_finds_used_run_directories(tmp_path):
     assert moe_balance.used_workdirs(str(tmp_path), plan) == []          # empty directory: a fresh run
     (tmp_path / "aux_loss" / "seed1" / "metrics.jsonl").write_text("{}\n")
     assert moe_balance.used_workdirs(str(tmp_path), plan) == [str(tmp_path / "aux_loss" / "seed1")]
+
+
+def test_bench_kda_rejects_flag_typos_before_timing(tmp_path):
+    repo = __file__.rsplit("/tests/", 1)[0]
+    for flag, message in (("--modes=fwd,bwd", "--modes"), ("--implementations=chunkd", "--implementations"),
+                          ("--shapes=1x64x1", "--shapes")):
+        r = _bench_kda(flag, "--out=", cwd=repo)
+        assert r.returncode != 0 and message in r.stderr, (flag, r.stderr[-1000:])
