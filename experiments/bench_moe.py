@@ -85,7 +85,7 @@ def _write(results):
              "", f"Versions: {results['versions']}", "",
              f"GEMM M={s['M']} K={s['K']} N={s['N']}, {s['experts']} experts, bf16 operands / fp32 accumulation; "
              f"skewed max/mean load {results['skew_max_over_mean']:.1f}; dense bf16 matmul "
-             f"{results['dense_matmul_ms']:.3f} ms ({results['dense_tflops']:.0f} TFLOP/s). Medians; fwd+bwd = d lhs "
+             f"{results['dense_matmul_ms']:.3f} ms ({results['dense_tflops']:.3g} TFLOP/s). Medians; fwd+bwd = d lhs "
              "and d rhs with a cotangent of the output dtype. Errors: RMS(x - xla)/RMS(xla).", "",
              "| implementation | groups | out/cotangent | fwd ms | fwd+bwd ms | fwd+bwd / torch | err out | err d lhs | err d rhs |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -108,7 +108,7 @@ def _write(results):
                 lines.append(f"| {r['impl']} | failed: {r['error'][:100]} | | | |")
             else:
                 lines.append(f"| {r['impl']} ({r['resolved']}) | {r['fwdbwd_ms']:.2f} | {r['tokens_per_s']:.3g} | "
-                             f"{r['tflops']:.0f} | {r['pct_dense']:.1f} |")
+                             f"{r['tflops']:.3g} | {r['pct_dense']:.1f} |")
     with open(_OUT.value + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -239,7 +239,7 @@ def main(argv):
                "versions": _versions(), "shape": dict(M=m, K=k, N=n, experts=e),
                "skew_max_over_mean": float(groups["skewed"].max() / groups["skewed"].mean()),
                "dense_matmul_ms": dense, "dense_tflops": flops / dense / 1e9, "rows": [], "layer": []}
-    print(f"dense {m}x{k}x{n}: {dense:.3f} ms ({flops / dense / 1e9:.0f} TFLOP/s)", flush=True)
+    print(f"dense {m}x{k}x{n}: {dense:.3f} ms ({flops / dense / 1e9:.3g} TFLOP/s)", flush=True)
     _write(results)
     _gemm_rows(results, lhs, rhs, groups)
     if _TORCH.value:
