@@ -8,9 +8,12 @@ beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op. fwd+bwd = value_
 sum(o * do) w.r.t. q, k, v, g, beta.
 
 Implementations: "recurrent" (fp32 oracle), "chunked" (XLA chunk form), "pallas" (when
-pallas_kernels.kda imports and covers the call; interpret mode off GPU). Peer frameworks (fla in a
-separate torch process, jax-linear-attention) can be added as more entries of `implementations()`:
-`time_call` only needs a jitted callable and an input factory.
+pallas_kernels.kda imports and covers the call; interpret mode off GPU), and the peers "jla"
+(jax-linear-attention's Mosaic GPU KDA, on a GPU when importable) and fla (`--fla`: chunk_kda in a torch
+subprocess, triton do_bench medians, rows also appended to `<out>_fla.jsonl`). Accuracy: every
+implementation but "recurrent" against the fp32 recurrent oracle on the first min(T, --check_max_t)
+tokens (RMS ratios of o and of the five gradients). With a peer, a side-by-side table adds the ratios
+to the best peer, chunked / pallas and the H200 floor.
 
 Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
      [--dtype=bfloat16 --iters=20] --out=experiments/results/kda_cpu
