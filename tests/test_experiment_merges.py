@@ -4,10 +4,24 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from experiments import moe_balance
-from tests.test_moe_balance import _meta, _row
+
+
+def _row(seed: int, val_loss: float) -> dict:
+    return {"seed": seed, "val_loss": val_loss, "max_vio_after_warmup": 0.5, "max_vio_global": 0.4,
+            "cv_after_warmup": 0.2, "dropped_fraction_after_warmup": 0.0, "dead_experts_after_warmup": 0.0,
+            "diverted_fraction_after_warmup": 0.0, "tokens_per_s": 1000.0, "wall_s": 1.0, "curve_steps": [1, 2],
+            "max_vio_curve": [1.0, 0.5], "compile": {"backend_compile_s": 1.0}}
+
+
+def _meta(device: str, visible: str, methods: list[str], skipped: list, elapsed: float) -> dict:
+    return {"date": "2026-12-01", "device": device, "jax": jax.__version__, "steps": 2, "num_experts": 4,
+            "top_k": 2, "seeds": ["0"], "warmup_frac": 0.25, "time_budget_s": 0.0, "skipped": skipped,
+            "methods": methods, "pid": 1, "cuda_visible_devices": visible, "elapsed_s": elapsed,
+            "grouped_matmul": "blocked"}
 
 
 def test_moe_balance_merge_rejects_different_base_configs(tmp_path):
