@@ -330,8 +330,9 @@ def main(argv):
         env, rows = time_all()
     timed = [r for r in rows if r["mode"] != "check" and r["implementation"] not in ("fla",)]
     if FLAGS.from_json:  # describe the rows, not this call's flags
-        join = lambda key, default: "/".join(dict.fromkeys(str(r.get(key, default)) for r in timed)) or "?"  # noqa: E731
-        dtype, iters, warmup = join("dtype", "?"), join("iters", "?"), join("warmup", "?")
+        def join(key):
+            return "/".join(dict.fromkeys(str(r.get(key, "?")) for r in timed)) or "?"
+        dtype, iters, warmup = join("dtype"), join("iters"), join("warmup")
         merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
     else:
         dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
