@@ -62,7 +62,8 @@ _BUDGET = flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements a
 
 GROUPINGS = ("balanced", "skewed")
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
-# jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first).
+# jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first); the same tuple
+# as k3jax.ops.dispatch.JLA_TILE_CONFIGS (a test checks), spelt out so JAX is imported only after torch ran.
 JLA_CONFIG_NAMES = ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED")
 # Candidate static choices of the jla adapter (k3jax.ops.dispatch.JlaPlan fields), timed end to end.
 PLANS = {"d_rhs split 4096": dict(d_rhs_split_rows=4096),

@@ -144,3 +144,9 @@ def test_jax_rows_end_to_end_with_stand_in_kernels(tmp_path):
         assert r["ms"] > 0 and r["ms_blocking"] > 0, r
         assert r["err"] < 1e-2, r  # bf16 outputs vs fp32 references
     assert json.load(open(tmp_path / "o.json"))["rows"] == rows
+
+
+def test_timed_tilings_are_the_ones_jla_plan_accepts():
+    from k3jax.ops import dispatch  # noqa: PLC0415
+
+    assert B.JLA_CONFIG_NAMES == dispatch.JLA_TILE_CONFIGS

@@ -63,6 +63,30 @@ def test_jla_plan_validation():
         D.JlaPlan(forward_config="")
     with pytest.raises(ValueError, match="d_lhs_config"):
         D.JlaPlan(d_lhs_config=3)
+    with pytest.raises(ValueError, match="forward_config"):
+        D.JlaPlan(forward_config="PERSISTANT")          # a misspelt name is refused, not silently replaced
+    with pytest.raises(ValueError, match="d_rhs_split_rows"):
+        D.JlaPlan(d_rhs_split_rows=True)
+    assert D.JlaPlan(d_rhs_split_rows=np.int64(4)).d_rhs_split_rows == 4
+
+
+def test_grouped_matmul_input_validation():
+    lhs, rhs = jnp.ones((8, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
+    sizes = jnp.array([3, 5], jnp.int32)
+    for kwargs, word in [(dict(full_groups="yes"), "full_groups"), (dict(full_groups=None), "full_groups"),
+                         (dict(preferred_element_type=jnp.int8), "preferred_element_type")]:
+        with pytest.raises(ValueError, match=word):
+            D.grouped_matmul(lhs, rhs, sizes, implementation="xla", **kwargs)
+    for args, word in [((lhs, rhs.astype(jnp.bfloat16), sizes), "dtype"), ((lhs, rhs, [3, 5]), "group_sizes"),
+                       ((lhs, rhs, jnp.array([-1, 5], jnp.int32)), "group_sizes"),
+                       ((lhs, rhs, jnp.array([5, 5], jnp.int32)), "group_sizes")]:
+        with pytest.raises(ValueError, match=word):
+            D.grouped_matmul(*args, implementation="xla")
+    with pytest.raises(ValueError, match="full_groups"):
+        D.grouped_matmul(lhs, rhs, jnp.array([3, 4], jnp.int32), implementation="xla", full_groups=True)
+    # traced sizes cannot be checked: the promise is the caller's
+    out = jax.jit(lambda s: D.grouped_matmul(lhs, rhs, s, implementation="xla", full_groups=True))(sizes)
+    np.testing.assert_allclose(out, 4.0)
 
 
 class _Tile:
@@ -81,7 +105,7 @@ def _fake_jla(monkeypatch):
     calls = []
     leaf = types.ModuleType("jla.ops.mosaic_gpu.ragged_dot")
     leaf.PERSISTENT = _Tile("PERSISTENT", 64, 128)
-    leaf.WIDE = _Tile("WIDE", 64, 256)  # tiles N=256 but not K=128
+    leaf.PERSISTENT_WS = _Tile("PERSISTENT_WS", 64, 256)  # as jla's: 256-wide tiles; N=256 but not K=128
     leaf.supports = lambda lhs, rhs, gs: True
     leaf._config_for = lambda config, k, n: leaf.PERSISTENT if config is None else config
 
@@ -147,8 +171,8 @@ def test_full_groups_skips_the_tail_zeroing_only_in_jla(monkeypatch):
     assert float(jnp.abs(y_m[228:]).max()) == 0.0 and float(jnp.abs(d_lhs_m[228:]).max()) == 0.0
     assert ("fwd", None) in calls
     lhs = jnp.ones((6, 3)); rhs = jnp.ones((2, 3, 4)); sizes = jnp.array([2, 3], jnp.int32)
-    for impl in ("xla", "blocked"):
-        out = D.grouped_matmul(lhs, rhs, sizes, implementation=impl, full_groups=True)
+    for impl in ("xla", "blocked"):  # traced sizes (concrete ones with sum < M are refused)
+        out = jax.jit(lambda s, impl=impl: D.grouped_matmul(lhs, rhs, s, implementation=impl, full_groups=True))(sizes)
         np.testing.assert_array_equal(out, np.concatenate([np.full((5, 4), 3.0), np.zeros((1, 4))]))
 
 
@@ -204,12 +228,14 @@ def test_jla_d_rhs_split_equals_xla(monkeypatch, split_rows):
     "plan,expected",
     [
         (D.JlaPlan(), [("fwd", None), ("d_lhs", "PERSISTENT")]),
-        # WIDE tiles the forward (K=128 contraction, N=256 width) but not d_lhs (width K=128): refused for
-        # the forward (jla's ragged_dot(config=) needs both) and for d_lhs
-        (D.JlaPlan(forward_config="WIDE", d_lhs_config="WIDE"), [("fwd", None), ("d_lhs", "PERSISTENT")]),
+        # the 256-wide tile divides the forward (K=128 contraction, N=256 width) but not d_lhs (width K=128):
+        # refused for the forward (jla's ragged_dot(config=) needs both) and for d_lhs
+        (D.JlaPlan(forward_config="PERSISTENT_WS", d_lhs_config="PERSISTENT_WS"),
+         [("fwd", None), ("d_lhs", "PERSISTENT")]),
         (D.JlaPlan(forward_config="PERSISTENT", d_lhs_config="PERSISTENT"),
          [("fwd", "PERSISTENT"), ("d_lhs", "PERSISTENT")]),
-        (D.JlaPlan(forward_config="NO_SUCH_TILE"), [("fwd", None), ("d_lhs", "PERSISTENT")]),
+        # a named tiling the installed jla lacks (here ALIGNED, not faked) gives jla's default
+        (D.JlaPlan(forward_config="ALIGNED"), [("fwd", None), ("d_lhs", "PERSISTENT")]),
     ],
 )
 def test_jla_plan_tilings_are_used_only_where_they_divide(monkeypatch, plan, expected):
@@ -225,10 +251,11 @@ def test_wide_tile_used_for_d_lhs_where_it_divides(monkeypatch):
     calls = _fake_jla(monkeypatch)
     lhs = jnp.ones((M, 256), jnp.bfloat16)
     rhs = jnp.ones((E, 256, 256), jnp.bfloat16)
-    f = lambda a, b: D._jla_grouped_matmul(a, b, SIZES, jnp.float32, D.JlaPlan(forward_config="WIDE", d_lhs_config="WIDE"))  # noqa: E731
+    f = lambda a, b: D._jla_grouped_matmul(a, b, SIZES, jnp.float32, D.JlaPlan(forward_config="PERSISTENT_WS",
+                                                                                 d_lhs_config="PERSISTENT_WS"))  # noqa: E731
     y, vjp = jax.vjp(f, lhs, rhs)
     d_lhs, _ = vjp(jnp.ones_like(y))
-    assert [c for c in calls if c[0] != "d_rhs"] == [("fwd", "WIDE"), ("d_lhs", "WIDE")]
+    assert [c for c in calls if c[0] != "d_rhs"] == [("fwd", "PERSISTENT_WS"), ("d_lhs", "PERSISTENT_WS")]
     np.testing.assert_array_equal(np.asarray(d_lhs[:228], np.float32), 256.0)
 
 

@@ -32,11 +32,13 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "GPU_PREFERENCE",
@@ -270,6 +272,10 @@ def split_group_sizes(group_sizes: jax.Array, max_rows: int, num_rows: int) -> t
     return jnp.where(j < piece_end[-1], virtual, 0), owner
 
 
+# The named TileConfigs of the pinned jax-linear-attention 0.1.0 (attributes of jla.ops.mosaic_gpu.ragged_dot).
+JLA_TILE_CONFIGS: tuple[str, ...] = ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED")
+
+
 @dataclasses.dataclass(frozen=True)
 class JlaPlan:
     """Static choices of the "jla" adapter for its three GEMMs (issue #5).
@@ -278,8 +284,8 @@ class JlaPlan:
       forward_config: name of the jla ``TileConfig`` (an attribute of ``jla.ops.mosaic_gpu.ragged_dot``,
         e.g. "PERSISTENT", "PERSISTENT_WS") of the forward GEMM ``[M, K] x [E, K, N]``, or None for
         jla's default (``select_config``). Used only where it tiles the forward AND the d_lhs GEMM
-        (jla's ``ragged_dot(config=)`` requires both), else jla's default (fail-closed). The name is
-        not checked here (jla need not be installed): a name jla does not have also gives its default.
+        (jla's ``ragged_dot(config=)`` requires both), else jla's default (fail-closed). One of
+        :data:`JLA_TILE_CONFIGS` (the named tilings of the pinned jla 0.1.0).
       d_lhs_config: the same for ``d_lhs = d_out rhs[g]^T`` (contraction N, width K); used only where it
         tiles that GEMM, else jla's default.
       d_rhs_split_rows: None: ``d_rhs`` is one ``transposed_ragged_dot`` over the E groups (jla's own
@@ -300,8 +306,8 @@ class JlaPlan:
     timed through ``_jla_grouped_matmul(..., plan)`` by experiments/bench_grouped_gemm_ops.py.
 
     Raises:
-      ValueError: ``d_rhs_split_rows`` not None or a python int ``>= 1`` (``True`` passes as 1), or a
-        config that is neither None nor a non-empty string.
+      ValueError: ``d_rhs_split_rows`` not None or an integer ``>= 1`` (bools refused), or a config
+        that is neither None nor one of :data:`JLA_TILE_CONFIGS`.
     """
 
     forward_config: str | None = None
@@ -311,11 +317,13 @@ class JlaPlan:
     def __post_init__(self):
         for name in ("forward_config", "d_lhs_config"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be None or a jla TileConfig name; got {value!r}")
-        if self.d_rhs_split_rows is not None and (
-                not isinstance(self.d_rhs_split_rows, int) or self.d_rhs_split_rows < 1):
-            raise ValueError(f"d_rhs_split_rows must be None or an int >= 1; got {self.d_rhs_split_rows=}")
+            if value is not None and value not in JLA_TILE_CONFIGS:
+                raise ValueError(f"{name} must be None or one of {JLA_TILE_CONFIGS}; got {value!r}")
+        rows = self.d_rhs_split_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1):
+            raise ValueError(f"d_rhs_split_rows must be None or an integer >= 1; got {self.d_rhs_split_rows=}")
+        if rows is not None:
+            object.__setattr__(self, "d_rhs_split_rows", int(rows))
 
 
 # The plan "jla" runs with (implementation=None on an H200 included).
@@ -533,24 +541,42 @@ def grouped_matmul(
         does no such pass either): one read + write of ``[M, N]`` and of ``[M, K]`` less (~0.09 ms of
         HBM traffic at 4.3 TB/s); measured fwd+bwd on an H200 at M=32768, K=2048, N=1024, 64 groups,
         bf16 (experiments/results/grouped_gemm_full_groups_h200.md): 0.979 -> 0.867 ms balanced,
-        1.057 -> 0.944 ms Zipf-skewed. Not checked, not even on concrete sizes: with ``sum < M`` those
-        rows are then unspecified. Only ``bool(full_groups)`` is read. Default False is always correct.
+        1.057 -> 0.944 ms Zipf-skewed. Checked on concrete sizes only (a traced ``sum < M`` leaves
+        those rows unspecified). Default False is always correct.
 
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
 
     Raises:
-      ValueError: bad ranks/shapes, non-integer ``group_sizes``, unknown ``implementation``, or an
-        explicit ``implementation`` that does not support the call (the message gives the reason).
+      ValueError: non-array operands, bad ranks/shapes, ``lhs``/``rhs`` of different or non-floating
+        dtypes, a non-floating ``preferred_element_type``, non-integer ``group_sizes`` (and, when they
+        are concrete, negative sizes, ``sum > M`` or ``full_groups=True`` with ``sum != M``), a
+        non-bool ``full_groups``, unknown ``implementation``, or an explicit ``implementation`` that
+        does not support the call (the message gives the reason).
     """
+    for name, value in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)):
+        if not hasattr(value, "ndim") or not hasattr(value, "dtype"):
+            raise ValueError(f"{name} must be an array; got {type(value).__name__}")
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
             f"need lhs [M, K], rhs [E, K, N], group_sizes [E]; got {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}"
         )
     if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"shape mismatch: {lhs.shape=}, {rhs.shape=}, {group_sizes.shape=}")
+    if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+        raise ValueError(f"lhs and rhs must share one floating dtype; got {lhs.dtype=}, {rhs.dtype=}")
+    if not jnp.issubdtype(jnp.dtype(preferred_element_type), jnp.floating):
+        raise ValueError(f"preferred_element_type must be a floating dtype; got {preferred_element_type=}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integer row counts; got {group_sizes.dtype=}")
+    if not isinstance(full_groups, bool):
+        raise ValueError(f"full_groups must be a bool; got {full_groups=!r}")
+    if not isinstance(group_sizes, jax.core.Tracer):  # concrete sizes: check what can be checked
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any() or sizes.sum() > lhs.shape[0]:
+            raise ValueError(f"group_sizes must be >= 0 with sum <= M={lhs.shape[0]}; got {sizes.tolist()}")
+        if full_groups and sizes.sum() != lhs.shape[0]:
+            raise ValueError(f"full_groups=True promises sum(group_sizes) == M={lhs.shape[0]}; got {int(sizes.sum())}")
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation is None:
         name = default_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type)
