@@ -159,7 +159,9 @@ def test_expert_parallel_equals_single_device(method, estimator):
     vg = nnx.jit(lambda m, x, seg: nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x, seg))
     (l0, a0), g0 = vg(ref, x, seg)
     (l1, a1), g1 = vg(ep, jax.device_put(x, S.token_sharding(mesh, 3)), jax.device_put(seg, S.token_sharding(mesh, 2)))
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    # a float32 sum of 768 products: summation order alone moves it by ~1e-6 relative (the routing
+    # itself is compared exactly through the stats below)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
     np.testing.assert_allclose(a1["loss"], a0["loss"], rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(a1["next_bias"], a0["next_bias"], atol=1e-7)
     for key in a0["stats"]:

@@ -371,8 +371,10 @@ def test_threshold_route_causal_leakage_exact_value():
 
 def test_threshold_route_tolerance_and_shedding():
     """Near balance (101, 100, 100, 99 of 400, top-1): a rank percentile alone flags expert 0
-    (tolerance 0 -> cap floor(1.0085·100) = 100 -> its 101st row is shed: 1/400 diverted); the
-    absolute tolerance 0.05 diverts nothing; exact balance diverts nothing either."""
+    (tolerance 0 -> cap floor(1.0085·100) = 100 -> its 101st row, t100, is shed to its next best,
+    expert 1, which then holds 101 > cap and sheds its own last row, t200, to expert 3: loads
+    (100, 100, 100, 100), 2/400 diverted); the absolute tolerance 0.05 diverts nothing; exact balance
+    diverts nothing either."""
     rng = np.random.default_rng(0)
     top = np.repeat(np.arange(4), [101, 100, 100, 99])
     s = rng.uniform(0.0, 0.4, (400, 4)).astype(np.float32)
@@ -386,11 +388,14 @@ def test_threshold_route_tolerance_and_shedding():
         out = R.balance(cfg, sc, r, jnp.zeros(4), state, demand_loads=demand)
         return float(out.stats["diverted_fraction"]), r, out
 
-    frac0, r0, _ = diverted(0.0, scores)
-    assert frac0 == pytest.approx(1 / 400)
+    frac0, r0, out0 = diverted(0.0, scores)
+    assert frac0 == pytest.approx(2 / 400)
     last0 = np.where(top == 0)[0][-1]  # the shed row is expert 0's last in token order
-    assert int(r0.expert_ids[last0, 0]) != 0
-    assert np.sum(np.asarray(r0.expert_ids[:, 0]) != top) == 1
+    last1 = np.where(top == 1)[0][-1]  # expert 1's last row, shed once t100 arrived
+    changed = np.where(np.asarray(r0.expert_ids[:, 0]) != top)[0]
+    np.testing.assert_array_equal(changed, [last0, last1])
+    np.testing.assert_array_equal(np.asarray(r0.expert_ids[changed, 0]), [1, 3])
+    np.testing.assert_array_equal(out0.stats["loads"], [100, 100, 100, 100])
     frac, _, out = diverted(0.05, scores)
     assert frac == 0.0
     np.testing.assert_allclose(out.next_state["window_loads"][0], np.array([101, 100, 100, 99]) / 400)
