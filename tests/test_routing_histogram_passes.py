@@ -113,3 +113,10 @@ def test_model_config_plumbs_histogram_passes():
     assert ModelConfig(ffn="moe").balancing_config().histogram_passes == 1  # K3's single pass by default
     with pytest.raises(ValueError, match="histogram_passes"):
         ModelConfig(ffn="moe", moe_histogram_passes=3)
+
+
+@pytest.mark.parametrize("field,value", [("histogram_passes", True), ("histogram_passes", 2.0),
+                                         ("histogram_bins", True), ("histogram_bins", 2.5)])
+def test_counts_must_be_ints_not_bools_or_floats(field, value):
+    with pytest.raises(ValueError, match=field):
+        R.BalancingConfig(method="quantile", quantile_estimator="histogram", **{field: value})

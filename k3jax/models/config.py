@@ -143,7 +143,10 @@ class ModelConfig:
                                    histogram_bins=self.moe_histogram_bins, ema=self.moe_ema,
                                    histogram_passes=self.moe_histogram_passes)
         except ValueError as e:
-            raise ValueError(f"model.moe_balancing settings: {e}") from e
+            fields = ("histogram_passes", "histogram_bins", "quantile_estimator", "aux_loss_alpha", "ema", "method")
+            field = next((f for f in fields if f in str(e)), "method")
+            name = "moe_balancing" if field == "method" else f"moe_{field}"
+            raise ValueError(f"model.{name}: {e}") from e
 
     @property
     def padded_vocab_size(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -540,6 +541,11 @@ def _histogram_quantile(
     return lo + (hi - lo) * ((m * bins + m2).astype(jnp.float32) + frac2) / jnp.float32(bins * bins), n > 0
 
 
+def _is_int(value) -> bool:
+    """A python/numpy integer, not a bool (True == 1 must not pass as a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def quantile_bias(
     margins: jax.Array,
     top_k: int,
@@ -603,9 +609,9 @@ def quantile_bias(
     _check_bias(bias, num_experts)
     if estimator not in QUANTILE_ESTIMATORS:
         raise ValueError(f"estimator must be one of {QUANTILE_ESTIMATORS}; got {estimator=}")
-    if histogram_bins < 1:
-        raise ValueError(f"histogram_bins must be >= 1; got {histogram_bins=}")
-    if histogram_passes not in HISTOGRAM_PASSES:
+    if not _is_int(histogram_bins) or histogram_bins < 1:
+        raise ValueError(f"histogram_bins must be an int >= 1; got {histogram_bins=}")
+    if not _is_int(histogram_passes) or histogram_passes not in HISTOGRAM_PASSES:
         raise ValueError(f"histogram_passes must be one of {HISTOGRAM_PASSES}; got {histogram_passes=}")
     mask = _token_mask(token_mask, num_tokens)
     level = top_k / num_experts
@@ -872,9 +878,9 @@ class BalancingConfig:
             raise ValueError(
                 f"quantile_estimator must be one of {QUANTILE_ESTIMATORS}; got {self.quantile_estimator=}"
             )
-        if self.histogram_bins < 1:
-            raise ValueError(f"histogram_bins must be >= 1; got {self.histogram_bins=}")
-        if self.histogram_passes not in HISTOGRAM_PASSES:
+        if not _is_int(self.histogram_bins) or self.histogram_bins < 1:
+            raise ValueError(f"histogram_bins must be an int >= 1; got {self.histogram_bins=}")
+        if not _is_int(self.histogram_passes) or self.histogram_passes not in HISTOGRAM_PASSES:
             raise ValueError(f"histogram_passes must be one of {HISTOGRAM_PASSES}; got {self.histogram_passes=}")
         if self.ema is not None and not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be None or in [0, 1); got {self.ema=}")
