@@ -3,8 +3,9 @@
 `TestPallasInterpret` subclasses the shared `KDAImplementationTests` (tests/test_kda_ops.py): the same
 comparisons against `kda_recurrent` with fla's tolerances (bf16: o and final state 0.005, dq/dk/dv/dh0
 0.008, dg/dbeta 0.02; fp32: FP32_TOLERANCE), run in Pallas interpret mode on CPU (CI, small shapes).
-Options the kernel does not implement (unbounded gates, segment_ids, use_qk_l2norm, other chunk
-sizes, fp64) are asserted to RAISE with the reason instead of being compared (fail-closed).
+Options the kernel does not implement (unbounded gates, use_qk_l2norm, other chunk sizes, fp64) are
+asserted to RAISE with the reason instead of being compared (fail-closed). segment_ids (packed
+documents) are compared like everything else, including gradients, initial and final states.
 `TestTritonLowering` lowers the forward and the gradient for CUDA on CPU with a faked H200
 (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`): it catches "cannot lower to Triton"
 errors without a GPU (it does not compile the Triton IR, so shared-memory or register limits are only
@@ -32,6 +33,23 @@ def _args(x):
     return [x[n] for n in ("q", "k", "v", "g", "beta")]
 
 
+# Packed documents for (B, T) = (2, 250), 4 chunks of 64 (the last one padded), as cut points:
+# row 0: several documents inside chunk 0 (one of length 1), a document starting exactly on each
+# chunk boundary (64, 128, 192), one of length 1 at a chunk's last token (127), a whole chunk alone
+# (128-192), the last document ending in the padded chunk; row 1: the first document (the one that
+# reads initial_state) crossing two chunk boundaries, a start mid-tile (150), a length-1 document,
+# the last document crossing a chunk boundary into the final state.
+SEGMENT_CUTS = [[0, 5, 6, 40, 64, 100, 127, 128, 192, 200, 250], [0, 150, 151, 250]]
+
+
+def _segment_ids(cuts_per_row, T):
+    seg = np.zeros((len(cuts_per_row), T), np.int32)
+    for b, cuts in enumerate(cuts_per_row):
+        for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+            seg[b, s:e] = (5 * i) % 3 + 1              # consecutive ids differ; ids repeat later
+    return jnp.asarray(seg)
+
+
 class TestPallasInterpret(KDAImplementationTests):
     """The shared comparisons on the Pallas kernel bodies in interpret mode (CPU)."""
 
@@ -55,10 +73,47 @@ class TestPallasInterpret(KDAImplementationTests):
 
     @pytest.mark.parametrize("gate", ["bounded", "softplus"])
     def test_segment_ids_equal_each_document_alone(self, gate):
+        if gate == "bounded":       # the shared check: each document against an fp64 loop alone
+            KDAImplementationTests.test_segment_ids_equal_each_document_alone(self, gate)
+            return
         x = make_kda_inputs(jax.random.PRNGKey(5), 1, 40, 1, 16, gate=gate)
         seg = jnp.asarray([[0] * 20 + [1] * 20], jnp.int32)
-        with pytest.raises(ValueError, match="segment_ids"):
-            self.run(*_args(x), segment_ids=seg, lower_bound=-5.0)
+        with pytest.raises(ValueError, match="lower_bound"):
+            self.run(*_args(x), segment_ids=seg, lower_bound=None)
+
+    @pytest.mark.parametrize("dtype, sequence_split", [("float32", 1), ("bfloat16", None)])
+    def test_segment_ids_match_recurrent(self, dtype, sequence_split):
+        # o, final state and all gradients (dh0 included) against the fp32 recurrence with the same
+        # segment_ids (SEGMENT_CUTS). Gates 0.01x the usual so that the state really crosses chunk
+        # boundaries (else a missing reset at a chunk edge is invisible). sequence_split=1: every
+        # chunk is its own segment of the split state passes (transitions, scan, per-segment
+        # passes); None: one serial pass (this shape leaves the automatic split off). Dropping any
+        # one of the 13 selects (common.Segments; forward factors or backward chain rule) gave an
+        # RMS ratio of 1e-1 to 9e-1 (largest over o, ht, grads) with these cuts (fp32, split 1,
+        # measured at (2, 250, 1, 16); tolerance 5e-5).
+        B, T, H, K, V = 2, 250, 2, 32, 16
+        x = make_kda_inputs(jax.random.PRNGKey(18), B, T, H, K, V, dtype=jnp.dtype(dtype))
+        x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
+        x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
+        seg = _segment_ids(SEGMENT_CUTS, T)
+        do = jax.random.normal(jax.random.PRNGKey(19), (B, T, H, V))
+        dht = jax.random.normal(jax.random.PRNGKey(20), (B, H, K, V))
+        kw = dict(lower_bound=-5.0, interpret=self.interpret, sequence_split=sequence_split,
+                  output_final_state=True, options=self.options, segment_ids=seg)
+        o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
+            lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+        o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
+            lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                    segment_ids=seg), x, do, dht))(x32)
+        tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+        errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
+        for name in GRAD_NAMES:
+            errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
+        # The documents matter here: without segment_ids the outputs are far off.
+        o_joined, _ = jax.jit(lambda x: kda_recurrent(*_args(x), initial_state=x["h0"]))(x32)
+        assert rms_ratio(o_ref, o_joined) > 20 * tol("o")
+        print(f"\nKDA_ERRORS pallas segment_ids {(B, T, H, K, V)} {dtype} split={sequence_split} "
+              + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
     @pytest.mark.parametrize("gate", ["bounded"])
     def test_future_gates_do_not_change_past_outputs(self, gate):
@@ -66,7 +121,7 @@ class TestPallasInterpret(KDAImplementationTests):
 
     @pytest.mark.parametrize("gate", ["bounded", "softplus"])
     def test_check_grads_fp64(self, gate):
-        # fp64, segment_ids and use_qk_l2norm are all outside the kernel: the call must refuse.
+        # fp64 and use_qk_l2norm are outside the kernel: the call must refuse.
         with jax.enable_x64(True):
             x = make_kda_inputs(jax.random.PRNGKey(7), 1, 21, 2, 5, 3, gate=gate)
             x = {n: a.astype(jnp.float64) for n, a in x.items()}
@@ -141,6 +196,10 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
     def test_matches_recurrent_on_fla_shapes(self, shape, dtype):
         KDAImplementationTests.test_matches_recurrent_on_fla_shapes(self, shape, "bounded", dtype)
 
+    @pytest.mark.parametrize("dtype, sequence_split", [("bfloat16", 1)])
+    def test_segment_ids_match_recurrent(self, dtype, sequence_split):
+        TestPallasInterpret.test_segment_ids_match_recurrent(self, dtype, sequence_split)
+
     test_unbounded_gates_raise = None
     test_segment_ids_equal_each_document_alone = None
     test_check_grads_fp64 = None
@@ -190,11 +249,14 @@ class TestSupported:
 
     def test_supported_call(self):
         assert ops.supported(*self._inputs(), lower_bound=-5.0) == (True, "")
+        seg = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+        assert ops.supported(*self._inputs(), lower_bound=-5.0, segment_ids=seg) == (True, "")
 
     @pytest.mark.parametrize("kwargs, word", [
         (dict(lower_bound=None), "lower_bound"),
         (dict(lower_bound=-6.0), "lower_bound"),
-        (dict(lower_bound=-5.0, segment_ids=np.zeros((1, 64), np.int32)), "segment_ids"),
+        (dict(lower_bound=-5.0, segment_ids=np.zeros((2, 64), np.int32)), "segment_ids"),
+        (dict(lower_bound=-5.0, segment_ids=np.zeros((1, 64), np.float32)), "segment_ids"),
         (dict(lower_bound=-5.0, use_qk_l2norm=True), "use_qk_l2norm"),
         (dict(lower_bound=-5.0, chunk_size=32), "chunk_size"),
     ])
@@ -258,6 +320,16 @@ class TestTritonLowering:
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
     @pytest.mark.parametrize("sequence_split", [0, None])
     def test_lowers_for_cuda(self, dtype, sequence_split, variants):
+        self._check_lowering(dtype, sequence_split, variants, segments=False)
+
+    @pytest.mark.parametrize("variants", [False, True])
+    def test_lowers_for_cuda_with_segment_ids(self, variants):
+        # The document masks (an int32 [C] block per chunk, selects in intra_fwd / intra_bwd /
+        # intra_bwd_a) lower too; same kernel count as without.
+        self._check_lowering(jnp.bfloat16, None, variants, segments=True)
+
+    @staticmethod
+    def _check_lowering(dtype, sequence_split, variants, segments):
         # T = 2048 = 32 chunks, B * H * V-blocks = 4 programs: the automatic sequence split is on
         # (8 segments of 4 chunks) unless sequence_split=0.
         B, T, H = 1, 2048, 2
@@ -269,9 +341,11 @@ class TestTritonLowering:
         # variants: every ops.KernelOptions on: +1 forward call (output_fwd), +1 backward (intra_bwd_b).
         options = ops.KernelOptions(True, True, True, True, True) if variants else None
 
+        seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
+
         def fwd(q, k, v, g, beta):
             return ops.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, sequence_split=sequence_split,
-                                  options=options)[0]
+                                  options=options, segment_ids=seg)[0]
 
         def loss(*a):
             return jnp.sum(fwd(*a).astype(jnp.float32))

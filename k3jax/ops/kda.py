@@ -110,7 +110,7 @@ def kda(
       chunk_size: chunk length for "chunked" (power of two >= 16).
       implementation: None (= "chunked"), "recurrent" (the fp32 oracle, O(T) sequential steps),
         "chunked" (XLA chunk form) or "pallas" (pallas_kernels.kda.ops.kda_pallas; an explicit request
-        it does not cover, e.g. segment_ids, use_qk_l2norm or lower_bound=None, raises).
+        it does not cover, e.g. use_qk_l2norm or lower_bound=None, raises).
       interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
 
     Returns:
@@ -143,7 +143,7 @@ def kda(
                              f"lowering); the backend is {jax.default_backend()!r}: pass interpret=True on CPU")
         return pallas_kda.kda_pallas(q, k, v, g, beta, lower_bound=lower_bound, scale=scale,
                                      initial_state=initial_state, output_final_state=output_final_state,
-                                     chunk_size=chunk_size, interpret=interpret)
+                                     segment_ids=segment_ids, chunk_size=chunk_size, interpret=interpret)
     if implementation == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **common)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **common)

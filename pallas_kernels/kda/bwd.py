@@ -103,7 +103,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     return du, dh, (dh0 if per_segment else dh0[:, :, 0])
 
 
-def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p, exact, ablate):
+def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p, exact, ablate,
+                     seg=None):
     """Part 1 of the intra-chunk backward: everything before the anchored score-tile backward.
 
     From the saved state St = S^T [V, K] entering the chunk, dSt = dS^T after it, dO [C, V],
@@ -111,13 +112,15 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
     dq, dk [C, K] (the parts through Qg, Kd, X), dG [C, K] (per-row gate gradient so far), dG_last
     [1, K], dv [C, V] and dbeta [C, 1] (final), dM [C, C] (strictly lower, = beta dL) and dAqk
     [C, C] (lower incl. diagonal): the score gradients the score-tile backward consumes.
+    seg: Segments of the chunk or None: the forward's selects (cm.Segments) applied to the
+    gradients of the masked factors (Qg, Kd, e^{G_last}, X rows; dL and dAqk across documents).
     """
     C = q.shape[0]
     G, G_last = gate.G, gate.G_last
     rows, cols = cm.iotas(C, C)
     ones = jnp.ones((1, C), F32)
     rs = cm.row_sums
-    X = b * jnp.exp(G) * k
+    X = cm.keep(b * jnp.exp(G) * k, seg, "row_in")
     Y = b * v
 
     # The state products: V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;
@@ -133,6 +136,9 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
         dkd = cm.dot(vp, dSt, p)
         daqk = cm.dot_nt(do, vp, p)
     dgl = jnp.sum(St * dSt, axis=0, keepdims=True)
+    dqg = cm.keep(dqg, seg, "row_in")
+    dkd = cm.keep(dkd, seg, "in_last")
+    dgl = cm.keep(dgl, seg, "carry")
 
     # Qg = scale q e^G and Kd = k e^{G_last - G}; e^{G_last} from the state decay.
     eG = jnp.exp(G)
@@ -150,6 +156,7 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
     else:
         dX = cm.dot_tn(A, dW, p)
         dY = cm.dot_tn(A, dU, p)
+    dX = cm.keep(dX, seg, "row_in")
     dk = dk + b * eG * dX
     dG = dG + X * dX
     dv = b * dY
@@ -164,6 +171,8 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
         dL = jnp.where(rows > cols, dA, 0.0)
     else:
         dL = jnp.where(rows > cols, -cm.dot_nt(cm.dot_tn(A, dA, exact), A, exact), 0.0)
+    dL = cm.keep(dL, seg, "same")
+    daqk = cm.keep(daqk, seg, "same")
     dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
     return dict(dq=dq, dk=dk, dG=dG, dG_last=dG_last, dv=dv, dbeta=dbeta, dM=b * dL,
                 dAqk=jnp.where(rows >= cols, daqk, 0.0))
@@ -232,8 +241,10 @@ def _precisions(dtype, ablate):
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                      w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale,
-                      dtype, ablate=frozenset(), gate_cumsum=False):
+                      w_ref, u_ref, a_ref, m_ref, *refs, scale, dtype, ablate=frozenset(),
+                      gate_cumsum=False, segmented=False):
+    seg_ref, refs = (refs[0], refs[1:]) if segmented else (None, refs)
+    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
     if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
         _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                            w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref)
@@ -246,7 +257,8 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
     r = _state_solve_bwd(gate, q, k, v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
                          h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
                          du_ref[...].astype(F32), w_ref[...].astype(F32), u_ref[...].astype(F32),
-                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=ablate)
+                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=ablate,
+                         seg=cm.segments_of(seg_ref))
     dq, dk, dG = _score_bwd(gate, q, k, r["dq"], r["dk"], r["dG"], r["dM"], r["dAqk"], scale=scale,
                             p=p, exact=exact, ablate=ablate)
     # dg = reverse cumsum of dG within the chunk, plus dG_last on every row (gate_cumsum: the
@@ -260,8 +272,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
 
 
 def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                        w_ref, u_ref, a_ref, m_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref,
-                        dgl_ref, dm_ref, daqk_ref, *, scale, dtype, flags=frozenset()):
+                        w_ref, u_ref, a_ref, m_ref, *refs, scale, dtype, flags=frozenset()):
+    seg_ref, refs = (refs[0], refs[1:]) if "segmented" in flags else (None, refs)
+    dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref = refs
     C = q_ref.shape[0]
     gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
     p, exact = _precisions(dtype, flags)
@@ -269,7 +282,8 @@ def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_
                          v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
                          h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
                          du_ref[...].astype(F32), w_ref[...].astype(F32), u_ref[...].astype(F32),
-                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=frozenset())
+                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=frozenset(),
+                         seg=cm.segments_of(seg_ref))
     dv_ref[...] = r["dv"].astype(dv_ref.dtype)
     dbeta_ref[...] = r["dbeta"].reshape(C).astype(dbeta_ref.dtype)
     dq_ref[...] = r["dq"]
@@ -315,7 +329,8 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
               interpret: bool, split: bool = False, bf16_dots: bool = False,
-              gate_cumsum: bool = False, _ablate: tuple[str, ...] = (), _params=None):
+              gate_cumsum: bool = False, segments=None, _ablate: tuple[str, ...] = (),
+              _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -333,6 +348,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     gate_cumsum: g is the chunk-local cumsum G (as intra_fwd's), and the returned dg is per row
       BEFORE the reverse cumsum (dG with dG_last added on each chunk's last row): the caller applies
       common.chunk_cumsum(dg, C, reverse=True) (ops.KernelOptions.xla_gate_cumsum).
+    segments: None or rel [B, T] int32 as intra_fwd's (the forward must have used the same): the
+      forward's document masks applied in the chain rule (common.Segments).
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
@@ -344,7 +361,7 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
-                               gate_cumsum=gate_cumsum, _params=_params)
+                               gate_cumsum=gate_cumsum, segments=segments, _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -358,11 +375,15 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
     ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
+    segmented = segments is not None
+    if segmented and "compute" in ablate:
+        raise ValueError(f"{_ablate=}: the 'compute' ablation does not take segments")
     kernel = functools.partial(_intra_bwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate,
-                               gate_cumsum=gate_cumsum)
+                               gate_cumsum=gate_cumsum, segmented=segmented)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
+        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta]
+                 + ([cm.seg_spec(C)] if segmented else []),
         out_specs=[ik, ik, iv, ik, ib],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
@@ -370,12 +391,12 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
                    jax.ShapeDtypeStruct((B, T, H, K), F32),
                    jax.ShapeDtypeStruct((B, T, H), F32)],
         interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_bwd",
-    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)
+    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segmented else []))
 
 
 def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
                     interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
-                    _params=None):
+                    segments=None, _params=None):
     """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
@@ -384,7 +405,8 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     Kernel b ("kda_intra_bwd_b"): the anchored score-tile backward (_score_bwd) and the reverse
     cumsum (or, with gate_cumsum, the per-row dg as intra_bwd's): dq, dk, dg. Round-3 lever 1
     (kda_pallas_notes.md): the fused kernel keeps the [V, K] states and the score-tile values live
-    at once; split, each body holds about half.
+    at once; split, each body holds about half. With segments only kernel a reads them (dM and
+    dAqk leave it masked).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -400,10 +422,12 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
     params = _params or cm.INTRA_PARAMS
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
-                       else set()) | ({"gate_cumsum"} if gate_cumsum else set()))
+                       else set()) | ({"gate_cumsum"} if gate_cumsum else set())
+                      | ({"segmented"} if segments is not None else set()))
     dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk = pl.pallas_call(
         functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
-        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta],
+        in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta]
+                 + ([cm.seg_spec(C)] if segments is not None else []),
         out_specs=[iv, ib, tk, tk, tk, tg, ta, ta],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
                    jax.ShapeDtypeStruct((B, T, H), F32)]
@@ -411,7 +435,7 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
                   + [jax.ShapeDtypeStruct((B, H, NT, K), F32)]
                   + [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2,
         interpret=interpret, compiler_params=params, name="kda_intra_bwd_a",
-    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M)
+    )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segments is not None else []))
     dq, dk, dg = pl.pallas_call(
         functools.partial(_intra_bwd_b_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
         in_specs=[ik, ik, ik, tk, tk, tk, tg, ta, ta],

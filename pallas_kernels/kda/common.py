@@ -210,6 +210,65 @@ def gate_of(g_ref, ablate=frozenset(), gate_cumsum: bool = False) -> Gate:
     return Gate(g_ref[...].astype(F32), ablate, row=row)
 
 
+class Segments:
+    """Document masks of one chunk (packed sequences, segment_ids), from rel [C] int32.
+
+    rel_i = (document index of token i) - (document index of the state entering the chunk), computed
+    by XLA (`document_offsets`); nondecreasing, >= 0. A document start inside the chunk is a reset of
+    the state to zero before that token, so the chunk form stays exact if (all selects, no multiply
+    by a mask):
+      same [C, C]: rel_i == rel_j, the score tiles M (k.k, hence L and a block-diagonal (I + L)^-1)
+        and Aqk keep only same-document pairs;
+      row_in [C, 1]: rel_i == 0, rows that read the incoming state: Qg and X = beta e^G k (so W = A X)
+        are zero elsewhere;
+      in_last [C, 1]: rel_i == rel_last, rows whose keys enter the outgoing state: Kd zero elsewhere
+        (e^{G_last - G_j} then spans only the last document's gates);
+      carry [1, 1]: rel_last == 0, the incoming state survives the chunk: e^{G_last} is 0 otherwise.
+    The backward applies the same selects to the gradients of these factors (chain rule through
+    constants).
+    """
+
+    def __init__(self, rel):
+        r = rel.astype(jnp.int32)[:, None]                      # [C, 1]
+        self.same = r == rel.astype(jnp.int32)[None, :]          # [C, C]
+        self.row_in = r == 0
+        last = jnp.max(r, axis=0, keepdims=True)                 # [1, 1]
+        self.in_last = r == last
+        self.carry = last == 0
+
+
+def segments_of(seg_ref):
+    """Segments of the chunk in seg_ref [C] (int32 rel), or None without segment_ids."""
+    return None if seg_ref is None else Segments(seg_ref[...])
+
+
+def keep(x, seg, mask: str):
+    """x where seg.<mask> else 0 (a select) when seg (a Segments) is given; x when seg is None."""
+    return x if seg is None else jnp.where(getattr(seg, mask), x, 0.0)
+
+
+def seg_spec(chunk_size: int):
+    """BlockSpec of the rel [B, T] int32 document offsets for a (batch, head, chunk) grid: [C]."""
+    return pl.BlockSpec((None, chunk_size), lambda b, h, c: (b, c))
+
+
+def document_offsets(segment_ids, chunk_size: int, padded_length: int):
+    """rel [B, Tp] int32 for Segments (XLA, outside the kernels) from segment_ids [B, T] (any int).
+
+    The state restarts at every token whose id differs from the previous token's (token 0 never:
+    the initial state belongs to each row's first document), as k3jax's kda_recurrent. run = the
+    running count of restarts; padding (T -> padded_length, a multiple of chunk_size) joins the last
+    document (its tokens are inert); rel = run - run of the token before the chunk (0 for chunk 0).
+    """
+    B, T = segment_ids.shape
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    run = jnp.cumsum(jnp.concatenate([jnp.zeros((B, 1), jnp.int32), change], axis=1), axis=1)
+    run = jnp.pad(run, ((0, 0), (0, padded_length - T)), mode="edge")
+    run = run.reshape(B, padded_length // chunk_size, chunk_size)
+    run_in = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), run[:, :-1, -1]], axis=1)   # [B, NT]
+    return (run - run_in[:, :, None]).reshape(B, padded_length).astype(jnp.int32)
+
+
 def chunk_cumsum(g, chunk_size: int, reverse: bool = False):
     """Chunk-local inclusive cumsum over T of g [B, T, H, K] (fp32, XLA; T % chunk_size == 0);
     reverse=True: the suffix sums sum_{j >= i} within each chunk."""
@@ -259,13 +318,15 @@ def unit_lower_inverse(L, precision):
     return D
 
 
-def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset()):
+def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset(), seg=None):
     """The chunk factors from whole-chunk values (fp32 q, k [C, K], v [C, V], beta [C, 1]).
 
     Returns dict: M [C, C] (k.k anchored scores, strictly lower, unweighted by beta), A = (I + L)^-1
     with L = beta M, X = beta e^G k [C, K], Y = beta v [C, V], W = A X, U = A Y (fp32), and
     Aqk [C, C] = scale q.k anchored scores, lower triangle including the diagonal.
     ablate: profiling ablations "scores", "solve", "wu", "bf16_dots" (FWD_ABLATIONS; wrong results).
+    seg: Segments of the chunk or None: M and Aqk keep same-document pairs, X rows that read the
+    incoming state (so A is block-diagonal per document and W = A X is zero on the other rows).
     """
     C = k.shape[0]
     rows, cols = iotas(C, C)
@@ -275,6 +336,7 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=froz
         M = jnp.where(rows > cols, 1e-2 * row_sums(k) * ones, 0.0)
     else:
         M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
+    M = keep(M, seg, "same")
     # The solve runs at mm precision (TF32 for bf16 inputs): A only enters W = A X, U = A Y (TF32
     # dots themselves) and the backward. Emulated on CPU (TF32-rounded operands, 64x64 L from the
     # ANCHORS recipe, 20 draws): A's RMS error 1.4e-6, W's 2.03e-4 with either a TF32 or an exact
@@ -285,11 +347,13 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=froz
     else:
         A = unit_lower_inverse(beta * M, prec)
     X = beta * jnp.exp(gate.G) * k
+    X = keep(X, seg, "row_in")
     Y = beta * v
     if "scores" in ablate:
         Aqk = jnp.where(rows >= cols, scale * row_sums(q) * ones, 0.0)
     else:
         Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
+    Aqk = keep(Aqk, seg, "same")
     if "wu" in ablate:
         W, U = X, Y
     else:

@@ -26,22 +26,24 @@ from pallas_kernels.kda import common as cm
 from pallas_kernels.kda.common import F32
 
 
-def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                      qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs, scale, dtype,
-                      ablate=frozenset(), gate_cumsum=False):
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, dtype,
+                      ablate=frozenset(), gate_cumsum=False, segmented=False):
+    seg_ref, refs = (refs[0], refs[1:]) if segmented else (None, refs)
+    qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *solve_refs = refs
     if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
         _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref,
                            aqk_ref, gl_ref, *solve_refs)
         return
     gate = cm.gate_of(g_ref, ablate, gate_cumsum)
+    seg = cm.segments_of(seg_ref)       # documents (segment_ids): select masks, see cm.Segments
     q = q_ref[...].astype(F32)
     k = k_ref[...].astype(F32)
-    qg_ref[...] = (scale * q * jnp.exp(gate.G)).astype(qg_ref.dtype)
-    kd_ref[...] = (k * jnp.exp(gate.G_last - gate.G)).astype(kd_ref.dtype)
-    gl_ref[...] = jnp.exp(gate.G_last).reshape(gl_ref.shape)
+    qg_ref[...] = cm.keep(scale * q * jnp.exp(gate.G), seg, "row_in").astype(qg_ref.dtype)
+    kd_ref[...] = cm.keep(k * jnp.exp(gate.G_last - gate.G), seg, "in_last").astype(kd_ref.dtype)
+    gl_ref[...] = cm.keep(jnp.exp(gate.G_last), seg, "carry").reshape(gl_ref.shape)
     b = beta_ref[...].astype(F32)[:, None]
     f = cm.chunk_factors(q, k, v_ref[...].astype(F32), b, gate, scale=scale, dtype=dtype,
-                         ablate=ablate)
+                         ablate=ablate, seg=seg)
     aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
     w_ref[...] = f["W"].astype(w_ref.dtype)
     u_ref[...] = f["U"].astype(u_ref.dtype)
@@ -76,7 +78,7 @@ def _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_r
 
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
               factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
-              gate_cumsum: bool = False, _ablate: tuple[str, ...] = (),
+              gate_cumsum: bool = False, segments=None, _ablate: tuple[str, ...] = (),
               _params=None):
     """Per-chunk factors, one program per (batch, head, chunk).
 
@@ -93,6 +95,11 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         fla) instead of fp32 operands at TF32 (ops.KernelOptions.bf16_intra_dots).
       gate_cumsum: g is already the chunk-local inclusive cumsum G (common.chunk_cumsum, fp32;
         ops.KernelOptions.xla_gate_cumsum): no cumsum and no anchor reductions in the kernel.
+      segments: None, or rel [B, T] int32 (common.document_offsets of segment_ids): packed
+        documents; the factors are masked (common.Segments) so that the unchanged state passes
+        reset the state at every document start: qg and w zero on rows whose document started
+        inside the chunk, kd zero outside the chunk's last document, gl zero when the chunk holds a
+        document start, aqk and M (hence A) zero across documents.
       _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
         common.FWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
       _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
@@ -120,15 +127,19 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     if save_solve:
         out_shape += [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
         out_specs += [ta, ta]
+    segmented = segments is not None
+    if segmented and "compute" in ablate:
+        raise ValueError(f"{_ablate=}: the 'compute' ablation does not take segments")
     kernel = functools.partial(_intra_fwd_kernel, scale=scale, dtype=q.dtype, ablate=ablate,
-                               gate_cumsum=gate_cumsum)
+                               gate_cumsum=gate_cumsum, segmented=segmented)
     return pl.pallas_call(
         kernel, grid=(B, H, NT),
-        in_specs=[ik, ik, iv, ik, ib],
+        in_specs=[ik, ik, iv, ik, ib] + ([cm.seg_spec(C)] if segmented else []),
         out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS,
         name="kda_intra_fwd",
-    )(q, k, v, g, beta)
+    )(q, k, v, g, beta, *([segments] if segmented else []))
+
 
 
 def _state_fwd_kernel(qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, h0_ref, o_ref, *refs,

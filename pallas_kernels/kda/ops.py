@@ -17,6 +17,12 @@ Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T 
 qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
 fp32 (T x 128 x 4), the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs.
 
+Packed documents (segment_ids): XLA turns the ids into per-chunk document offsets
+(common.document_offsets, [B, T] int32); intra_fwd and intra_bwd read one [C] block of them per
+program and apply 0/1 selects to the chunk factors and their gradients (common.Segments), so the
+serial state passes, the sequence split and the output kernel run unchanged. Without segment_ids
+the kernels take no extra input and are the same as before.
+
 Kernel variants with the same math (ops.KernelOptions; defaults unchanged until a GPU run shows
 a variant faster): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
 forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots.
@@ -132,13 +138,11 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
               chunk_size=CHUNK_SIZE, initial_state=None, interpret=False) -> tuple[bool, str]:
     """Whether `kda_pallas` covers this call (shapes, dtypes, options), and why not if it does not.
 
-    Args: as `kda_pallas` (arrays or ShapeDtypeStructs), plus the dispatch options segment_ids and
-      use_qk_l2norm, which the kernel does not implement. Compiled (interpret=False) fp32 calls are
-      covered only up to K, V <= MAX_FP32_HEAD_DIM (see there).
+    Args: as `kda_pallas` (arrays or ShapeDtypeStructs; segment_ids [B, T] of an integer dtype),
+      plus the dispatch option use_qk_l2norm, which the kernel does not implement. Compiled
+      (interpret=False) fp32 calls are covered only up to K, V <= MAX_FP32_HEAD_DIM (see there).
     Returns: (True, "") or (False, reason).
     """
-    if segment_ids is not None:
-        return False, "segment_ids is not supported by the Pallas KDA kernel"
     if use_qk_l2norm:
         return False, "use_qk_l2norm=True is not supported by the Pallas KDA kernel"
     if lower_bound is None:
@@ -165,6 +169,10 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
                        "2026-11-30); use bfloat16 inputs or interpret=True")
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         return False, f"expected initial_state [B, H, K, V]; got {initial_state.shape=}"
+    if segment_ids is not None and (tuple(segment_ids.shape) != (B, T)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        return False, (f"expected segment_ids [B, T] = {(B, T)} of an integer dtype; "
+                       f"got {segment_ids.shape=} {segment_ids.dtype=}")
     return True, ""
 
 
@@ -197,9 +205,10 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
     return o, h, (ht if seg_chunks else ht_pass)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret, options):
-    """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options):
+    """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp];
+    rel None or [B, Tp] int32 document offsets (common.document_offsets; no gradient).
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
     options.parallel_output, whose output kernel reads them).
@@ -208,14 +217,14 @@ def _core(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpre
         g = common.chunk_cumsum(g, chunk_size)
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
-                        gate_cumsum=options.xla_gate_cumsum)
+                        gate_cumsum=options.xla_gate_cumsum, segments=rel)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
     return o, ht
 
 
-def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, interpret, options):
+def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options):
     # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
     # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
@@ -224,15 +233,15 @@ def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, block_v, seg_chunks, inte
     *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                                interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
                                save_solve=True, bf16_dots=options.bf16_intra_dots,
-                               gate_cumsum=options.xla_gate_cumsum)
+                               gate_cumsum=options.xla_gate_cumsum, segments=rel)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
-    return (o, ht), (q, k, v, g, beta, h0, h, tuple(fac), A, M)
+    return (o, ht), (q, k, v, g, beta, h0, rel, h, tuple(fac), A, M)
 
 
 def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, cts):
-    q, k, v, g, beta, h0, h, (qg, kd, w, u, aqk, gl), A, M = res
+    q, k, v, g, beta, h0, rel, h, (qg, kd, w, u, aqk, gl), A, M = res
     do, dht = cts
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
     if seg_chunks:
@@ -250,17 +259,17 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, c
                                           chunk_size=chunk_size, interpret=interpret,
                                           split=options.split_intra_bwd,
                                           bf16_dots=options.bf16_intra_dots,
-                                          gate_cumsum=options.xla_gate_cumsum)
+                                          gate_cumsum=options.xla_gate_cumsum, segments=rel)
     if options.xla_gate_cumsum:
         dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
-    return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
+    return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
 
 
 def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = None,
-               initial_state=None, output_final_state: bool = False,
+               initial_state=None, output_final_state: bool = False, segment_ids=None,
                chunk_size: int = CHUNK_SIZE, interpret: bool = False,
                sequence_split: int | None = None, options: KernelOptions | None = None):
     """Chunked KDA with Pallas kernels, differentiable (custom_vjp; backward also in Pallas).
@@ -272,8 +281,15 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
       lower_bound: declared gate bound in [-5, 0); it is what makes every 16x16 diagonal tile one
         dense dot (exp of at most 16 * 5 = 80 nats).
       scale: query scale, None = K ** -0.5.
-      initial_state: [B, H, K, V] (fp32) state before token 0, or None (zeros).
-      output_final_state: also return the fp32 final state [B, H, K, V].
+      initial_state: [B, H, K, V] (fp32) state before token 0, or None (zeros). With segment_ids it
+        applies to each row's first document only.
+      output_final_state: also return the fp32 final state [B, H, K, V] (with segment_ids: the
+        state after the last token, i.e. of each row's last document).
+      segment_ids: None or [B, T] integer document ids of packed sequences: the state restarts
+        from zero at every token whose id differs from the previous token's (as k3jax's
+        kda_recurrent / kda_chunked; no padding id: pad tokens form or join a document). In the
+        kernels this is a set of 0/1 selects on the chunk factors (common.Segments); the serial
+        state passes are unchanged.
       chunk_size: 64 (the only supported value).
       interpret: run the kernels in Pallas interpret mode (CPU).
       sequence_split: segment length in chunks for the exact sequence split of the serial state
@@ -288,7 +304,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`.
     """
     ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size, interpret=interpret,
-                        initial_state=initial_state)
+                        initial_state=initial_state, segment_ids=segment_ids)
     if not ok:
         raise ValueError(why)
     if options is None:
@@ -317,8 +333,9 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     else:
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
+    rel = None if segment_ids is None else common.document_offsets(segment_ids, C, Tp)
     seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v))
-    o, ht = _core(qp, kp, vp, gp, bp, h0, float(scale), C, block_v, seg, bool(interpret), options)
+    o, ht = _core(qp, kp, vp, gp, bp, h0, rel, float(scale), C, block_v, seg, bool(interpret), options)
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
     return o, final
