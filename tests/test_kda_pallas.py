@@ -3,7 +3,7 @@
 `TestPallasInterpret` subclasses the shared `KDAImplementationTests` (tests/test_kda_ops.py): the same
 comparisons against `kda_recurrent` with fla's tolerances (bf16: o and final state 0.005, dq/dk/dv/dh0
 0.008, dg/dbeta 0.02; fp32: FP32_TOLERANCE), run in Pallas interpret mode on CPU (CI, small shapes).
-Options the kernel does not implement (unbounded gates, use_qk_l2norm, other chunk sizes, fp64) are
+Options the kernel does not implement (unbounded gates, other chunk sizes, fp64) are
 asserted to RAISE with the reason instead of being compared (fail-closed). segment_ids (packed
 documents) are compared like everything else, including gradients, initial and final states.
 `TestTritonLowering` lowers the forward and the gradient for CUDA on CPU with a faked H200
@@ -138,9 +138,13 @@ class TestPallasInterpret(KDAImplementationTests):
         assert rms_ratio(o_ref, o) < FP32_TOLERANCE and rms_ratio(ht_ref, ht) < FP32_TOLERANCE
         o_none, ht_none = self.run(*_args(x), lower_bound=-5.0)
         assert ht_none is None and o_none.shape == (B, T, H, V)
-        for bad, word in ((dict(use_qk_l2norm=True), "use_qk_l2norm"), (dict(chunk_size=32), "chunk_size")):
-            with pytest.raises(ValueError, match=word):
-                kda(*_args(x), implementation="pallas", lower_bound=-5.0, interpret=self.interpret, **bad)
+        with pytest.raises(ValueError, match="chunk_size"):
+            kda(*_args(x), implementation="pallas", lower_bound=-5.0, interpret=self.interpret, chunk_size=32)
+        # use_qk_l2norm: XLA normalises q, k before the kernel (as the KDA layer calls it); q, k unnormalised
+        args = [x["q"] * 3.0, x["k"] * 0.5] + _args(x)[2:]
+        o_ref = kda_recurrent(*args, use_qk_l2norm=True)[0]
+        o = self.run(*args, lower_bound=-5.0, use_qk_l2norm=True)[0]
+        assert rms_ratio(o_ref, o) < FP32_TOLERANCE < rms_ratio(o_ref, self.run(*args, lower_bound=-5.0)[0])
 
     @pytest.mark.parametrize("sequence_split", [0, 2])
     def test_weak_decay_long_memory(self, sequence_split):

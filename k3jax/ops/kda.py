@@ -109,8 +109,8 @@ def kda(
         single bf16 GEMM per 16-token diagonal tile. None = exact path for any g <= 0.
       chunk_size: chunk length for "chunked" (power of two >= 16).
       implementation: None (= "chunked"), "recurrent" (the fp32 oracle, O(T) sequential steps),
-        "chunked" (XLA chunk form) or "pallas" (pallas_kernels.kda.ops.kda_pallas; an explicit request
-        it does not cover, e.g. use_qk_l2norm or lower_bound=None, raises).
+        "chunked" (XLA chunk form) or "pallas" (pallas_kernels.kda.ops.kda_pallas, with use_qk_l2norm
+        done by XLA before it; an explicit request it does not cover, e.g. lower_bound=None, raises).
       interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
 
     Returns:
@@ -133,9 +133,10 @@ def kda(
         # Explicit request only: None keeps "chunked", which measured faster on the H200 (2026-11-30,
         # experiments/results/kda_pallas_notes.md). Unsupported calls raise with the kernel's reason.
         from pallas_kernels.kda import ops as pallas_kda
+        if use_qk_l2norm:  # in XLA before the kernel: fp32 norms (as the chunked op), then q's / k's dtype
+            q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
         ok, why = pallas_kda.supported(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,
-                                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                       initial_state=initial_state, interpret=interpret)
+                                       chunk_size=chunk_size, initial_state=initial_state, interpret=interpret)
         if not ok:
             raise ValueError(f"{implementation=} cannot run this call: {why}")
         if not interpret and jax.default_backend() != "gpu":
