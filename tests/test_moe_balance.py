@@ -126,7 +126,7 @@ def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
 
 def test_methods_table_rows_build_valid_configs(tmp_path):
     base = _tiny_base()
-    assert len(moe_balance.METHODS) == 11
+    assert len(moe_balance.METHODS) == 12
     for method in moe_balance.METHODS:
         cfg = moe_balance.run_config(base, method, 1, num_experts=4, top_k=2, steps=2, workdir_root=str(tmp_path))
         assert cfg.seed == 1 and cfg.model.ffn == "moe" and cfg.workdir.endswith(f"{method}/seed1")

@@ -54,6 +54,8 @@ class ModelConfig:
       moe_quantile_estimator: "exact" or "histogram" (Quantile Balancing).
       moe_histogram_bins, moe_ema: histogram bins; optional EMA of the QB bias over steps.
       moe_histogram_passes: 1 (K3) or 2 (refinement histogram inside the quantile's bin, bins² resolution).
+      moe_quantile_iterations: dual steps of Quantile Balancing per training step (1 = K3; see
+        `k3jax.ops.routing.BalancingConfig.quantile_iterations`).
       moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
       moe_dispatch_implementation: grouped-matmul implementation of the dropless experts (None = the
         best one tested for the call, see `k3jax.ops.dispatch.grouped_matmul`; checked by the layer).
@@ -91,6 +93,7 @@ class ModelConfig:
     moe_quantile_estimator: str = "exact"
     moe_histogram_bins: int = 1000
     moe_histogram_passes: int = 1
+    moe_quantile_iterations: int = 1
     moe_ema: float | None = None
     moe_capacity_factor: float | None = None
     moe_dispatch_implementation: str | None = None
@@ -141,9 +144,11 @@ class ModelConfig:
             return BalancingConfig(method=self.moe_balancing, aux_loss_alpha=self.moe_aux_loss_alpha,
                                    quantile_estimator=self.moe_quantile_estimator,
                                    histogram_bins=self.moe_histogram_bins, ema=self.moe_ema,
-                                   histogram_passes=self.moe_histogram_passes)
+                                   histogram_passes=self.moe_histogram_passes,
+                                   quantile_iterations=self.moe_quantile_iterations)
         except ValueError as e:
-            fields = ("histogram_passes", "histogram_bins", "quantile_estimator", "aux_loss_alpha", "ema", "method")
+            fields = ("histogram_passes", "histogram_bins", "quantile_iterations", "quantile_estimator",
+                      "aux_loss_alpha", "ema", "method")
             field = next((f for f in fields if f in str(e)), "method")
             name = "moe_balancing" if field == "method" else f"moe_{field}"
             raise ValueError(f"model.{name}: {e}") from e
