@@ -44,21 +44,28 @@ import time
 import numpy as np
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "/tmp/gemm_ops", "Output path prefix (.json, .md).")
-_ITERS = flags.DEFINE_integer("iters", 30, "Timed samples per measurement (median reported).")
-_INNER = flags.DEFINE_integer("inner", 10, "Back-to-back calls per timed sample.")
-_M = flags.DEFINE_integer("m", 32768, "Routed rows.")
-_K = flags.DEFINE_integer("k", 2048, "Contraction size of the forward GEMM.")
-_N = flags.DEFINE_integer("n", 1024, "Output columns of the forward GEMM.")
-_E = flags.DEFINE_integer("experts", 64, "Experts (groups).")
-_SPLIT_ROWS = flags.DEFINE_list("split_rows", ["4096", "2048"],
-                                "d_rhs candidate: most rows per virtual group (empty list = skip).")
-_TORCH = flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subprocess (needs torch + CUDA).")
-_TORCH_TIMEOUT = flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
-_EXTRA = flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
-_PLANS = flags.DEFINE_bool("plans", True, "Also time fwd+bwd through the jla adapter with each of PLANS.")
-_OPS = flags.DEFINE_list("ops", ["fwd", "d_lhs", "d_rhs", "fwd+bwd"], "JAX ops to time (torch times all).")
-_BUDGET = flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """The command-line flags, defined only when run as a script (tests import this module next to other
+    experiment scripts, whose absl flags share names such as --out)."""
+    flags.DEFINE_string("out", "/tmp/gemm_ops", "Output path prefix (.json, .md).")
+    flags.DEFINE_integer("iters", 30, "Timed samples per measurement (median reported).")
+    flags.DEFINE_integer("inner", 10, "Back-to-back calls per timed sample.")
+    flags.DEFINE_integer("m", 32768, "Routed rows.")
+    flags.DEFINE_integer("k", 2048, "Contraction size of the forward GEMM.")
+    flags.DEFINE_integer("n", 1024, "Output columns of the forward GEMM.")
+    flags.DEFINE_integer("experts", 64, "Experts (groups).")
+    flags.DEFINE_list("split_rows", ["4096", "2048"],
+                      "d_rhs candidate: most rows per virtual group (empty list = skip).")
+    flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subprocess (needs torch + CUDA).")
+    flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
+    flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
+    flags.DEFINE_bool("plans", True, "Also time fwd+bwd through the jla adapter with each of PLANS.")
+    flags.DEFINE_list("ops", ["fwd", "d_lhs", "d_rhs", "fwd+bwd"], "JAX ops to time (torch times all).")
+    flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
+
 
 GROUPINGS = ("balanced", "skewed")
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
@@ -167,11 +174,11 @@ def render_markdown(results: dict) -> str:
 
 
 def _write(results: dict, markdown: bool = False) -> None:
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value + ".json", "w") as f:
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     if markdown:
-        with open(_OUT.value + ".md", "w") as f:
+        with open(FLAGS.out + ".md", "w") as f:
             f.write(render_markdown(results))
 
 
@@ -249,11 +256,11 @@ for name, gs in groups.items():
 
 
 def _torch_rows(results: dict, groups: dict) -> None:
-    args = [str(x) for x in (_M.value, _K.value, _N.value, _E.value, _ITERS.value, _INNER.value)]
+    args = [str(x) for x in (FLAGS.m, FLAGS.k, FLAGS.n, FLAGS.experts, FLAGS.iters, FLAGS.inner)]
     try:
         proc = subprocess.run([sys.executable, "-c", TORCH_SCRIPT, *args,
                                json.dumps({g: v.tolist() for g, v in groups.items()})],
-                              capture_output=True, text=True, timeout=_TORCH_TIMEOUT.value)
+                              capture_output=True, text=True, timeout=FLAGS.torch_timeout_s)
         rows = [json.loads(x[4:]) for x in proc.stdout.splitlines() if x.startswith("JSON")]
         if not rows:
             rows = [dict(impl="torch", groups="", op="", error=(proc.stderr or proc.stdout)[-300:])]
@@ -262,7 +269,7 @@ def _torch_rows(results: dict, groups: dict) -> None:
     for row in rows:
         if "ms" in row:
             op = "fwd+bwd" if row["op"].startswith("fwd+bwd") else row["op"]
-            row["tflops"] = gemm_flops(op, _M.value, _K.value, _N.value) / row["ms"] / 1e9
+            row["tflops"] = gemm_flops(op, FLAGS.m, FLAGS.k, FLAGS.n) / row["ms"] / 1e9
         print(row, flush=True)
         results["rows"].append(row)
     _write(results)
@@ -291,7 +298,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     from k3jax.ops import dispatch
     from jla.ops.mosaic_gpu import ragged_dot as jrd  # noqa: PLC0415 -- the GPU wheel, needed for every row
 
-    m, k, n, e = _M.value, _K.value, _N.value, _E.value
+    m, k, n, e = FLAGS.m, FLAGS.k, FLAGS.n, FLAGS.experts
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
     lhs = jax.random.normal(kx, (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(kw, (e, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
@@ -322,7 +329,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     for name in JLA_CONFIG_NAMES:
         cands += tile_rows(name, getattr(jrd, name))
     cands.append(("d_rhs", "jla", "transposed_ragged_dot", jax.jit(jrd.transposed_ragged_dot), (lhs, dout)))
-    for rows in (int(x) for x in _SPLIT_ROWS.value):
+    for rows in (int(x) for x in FLAGS.split_rows):
         def split_d_rhs(a, d, gs, rows=rows):
             sizes, owner = dispatch.split_group_sizes(gs, rows, m)
             part = jrd.transposed_ragged_dot(a, d, sizes)
@@ -337,7 +344,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     # every row is in a group here (as after dispatch.permute): the promise torch._grouped_mm also relies on
     cands.append(("fwd+bwd", "k3jax dispatch jla", "full_groups=True",
                   jax.jit(functools.partial(fwd_bwd, full_groups=True)), (lhs, rhs, dout)))
-    if _PLANS.value:
+    if FLAGS.plans:
         for label, fields in PLANS.items():
             plan = dispatch.JlaPlan(**fields)
 
@@ -345,7 +352,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
                 out, vjp = jax.vjp(lambda a, b: dispatch._jla_grouped_matmul(a, b, gs, jnp.bfloat16, plan), a, b)  # noqa: SLF001
                 return out, vjp(d)
             cands.append(("fwd+bwd", "k3jax jla plan", label, jax.jit(plan_fwd_bwd), (lhs, rhs, dout)))
-    if _EXTRA.value:  # last: the time budget cuts these first
+    if FLAGS.extra_configs:  # last: the time budget cuts these first
         for fields in EXTRA_CONFIGS:
             try:
                 cfg = jrd.TileConfig(**fields)
@@ -357,7 +364,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     ref_dlhs = jax.jit(lambda d, b, gs: jax.lax.ragged_dot(d, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=f32))
     ref_drhs = jax.jit(lambda a, d, gs: jax.lax.ragged_dot_general(
         a, d, gs, dispatch._RAGGED_CONTRACTING_DIMS, preferred_element_type=f32))  # noqa: SLF001
-    cands = [c for c in cands if c[0] in _OPS.value]
+    cands = [c for c in cands if c[0] in FLAGS.ops]
     refs = {}
     for gname, gs_np in groups.items():
         gs = jnp.asarray(gs_np)
@@ -369,8 +376,8 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
             row = dict(impl=impl, config=label, groups=gname, op=op)
             if isinstance(fn, str):
                 row["skipped"] = fn
-            elif time.time() - start > _BUDGET.value:
-                row["skipped"] = f"time budget {_BUDGET.value:.0f} s spent"
+            elif time.time() - start > FLAGS.budget_s:
+                row["skipped"] = f"time budget {FLAGS.budget_s:.0f} s spent"
             else:
                 try:
                     out = fn(*args, gs)
@@ -383,8 +390,8 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
                     else:
                         row["err"] = rel(dispatch._mask_tail_rows(out, gs) if op != "d_rhs" else out,  # noqa: SLF001
                                          refs[gname][op])
-                    row["ms"] = _batched_ms(fn, *args, gs, iters=_ITERS.value, inner=_INNER.value)
-                    row["ms_blocking"] = median_ms(fn, *args, gs, iters=_ITERS.value)
+                    row["ms"] = _batched_ms(fn, *args, gs, iters=FLAGS.iters, inner=FLAGS.inner)
+                    row["ms_blocking"] = median_ms(fn, *args, gs, iters=FLAGS.iters)
                     row["tflops"] = gemm_flops(op, m, k, n) / row["ms"] / 1e9
                 except Exception as ex:  # noqa: BLE001 -- one failing config must not hide the rest
                     row["error"] = repr(ex)[:400]
@@ -397,22 +404,22 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
 def main(argv):
     del argv
     start = time.time()
-    unknown = sorted(set(_OPS.value) - set(OPS))
+    unknown = sorted(set(FLAGS.ops) - set(OPS))
     if unknown:  # a typo would silently drop an op from a GPU run
         raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
-    if not all(x.isdigit() and int(x) >= 1 for x in _SPLIT_ROWS.value):
-        raise ValueError(f"--split_rows: need integers >= 1; got {_SPLIT_ROWS.value}")
+    if not all(x.isdigit() and int(x) >= 1 for x in FLAGS.split_rows):
+        raise ValueError(f"--split_rows: need integers >= 1; got {FLAGS.split_rows}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    m, e = _M.value, _E.value
+    m, e = FLAGS.m, FLAGS.experts
     groups = {kind: group_sizes(m, e, kind) for kind in GROUPINGS}
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": _versions(),
-               "shape": dict(M=m, K=_K.value, N=_N.value, experts=e),
-               "timing": dict(iters=_ITERS.value, inner=_INNER.value),
+               "shape": dict(M=m, K=FLAGS.k, N=FLAGS.n, experts=e),
+               "timing": dict(iters=FLAGS.iters, inner=FLAGS.inner),
                "group_sizes": {g: v.tolist() for g, v in groups.items()},
                "group_stats": {g: dict(max=int(v.max()), min=int(v.min()), empty=int((v == 0).sum()),
                                        max_fraction=float(v.max() / v.sum())) for g, v in groups.items()},
                "rows": []}
-    if _TORCH.value:  # first, before JAX takes the GPU
+    if FLAGS.torch:  # first, before JAX takes the GPU
         _torch_rows(results, groups)
     import jax
     results["device"] = jax.devices()[0].device_kind
@@ -435,4 +442,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -111,6 +111,7 @@ _DRIVER = textwrap.dedent("""
     D._importable = lambda module: module == "jla"
     from absl import flags
     from experiments import bench_grouped_gemm_ops as B
+    B._define_flags()
     flags.FLAGS(["bench", "--out=" + sys.argv[1], "--m=256", "--k=128", "--n=128", "--experts=4",
                  "--iters=2", "--inner=2", "--split_rows=64"])
     groups = {"balanced": B.group_sizes(256, 4, "balanced"), "skewed": jnp.array([200, 0, 50, 6])}
