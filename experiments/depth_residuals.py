@@ -47,35 +47,41 @@ from absl import app, flags
 
 VARIANTS = ("prenorm", "block_attnres", "full_attnres", "article_block")
 
-_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), f"Residual schemes, from {VARIANTS}.")
-_DEPTHS = flags.DEFINE_list("depths", ["16", "6"], "Transformer layers per model (each = 2 sublayers); the "
-                             "issue's full setting is 32,12 (see the module docstring).")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (init + data order); same per variant.")
-_D_MODEL = flags.DEFINE_integer("d_model", 64, "Hidden size D.")
-_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 16, "Per-head size.")
-_D_FF = flags.DEFINE_integer("d_ff", 192, "SwiGLU hidden size.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence T.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Sequences per step B.")
-_STEPS = flags.DEFINE_integer("steps", 150, "Optimizer steps per run.")
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
-_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 15, "Linear warmup steps.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Validation cadence (steps); also at the end.")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 4, "Batches in the fixed validation slice.")
-_RESIDUAL_BLOCKS = flags.DEFINE_integer(
-    "residual_blocks", 8, "N for block_attnres (sublayer blocks) and article_block (layer blocks); capped at "
-    "the number of units of the model.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
-_OUT = flags.DEFINE_string("out", "experiments/results/depth_residuals", "Output prefix (.json/.md/_*.png).")
-_ISOLATE = flags.DEFINE_bool("isolate", True, "One subprocess per (variant, depth): per-config peak memory.")
-_REUSE = flags.DEFINE_bool("reuse", True, "Reuse a (variant, depth) result already in --workdir with the "
-                           "same settings (resume an interrupted sweep).")
-_NOTES_FILE = flags.DEFINE_string("notes_file", "", "Markdown appended to the table as 'What happened'.")
-_REPORT_FROM = flags.DEFINE_string(
-    "report_from", "", "Rewrite <out>.md and the plots from this existing results JSON (keeps its date, machine "
-    "and raw numbers; adds --notes_file) instead of training.")
-_WORKER = flags.DEFINE_string("worker", "", "Internal: JSON {settings, variant, depth, out} run by a subprocess.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """The command-line flags, defined only when run as a script: the tests import this module next to
+    other experiment scripts whose absl flags share names (--variants, --out, --seeds)."""
+    flags.DEFINE_list("variants", list(VARIANTS), f"Residual schemes, from {VARIANTS}.")
+    flags.DEFINE_list("depths", ["16", "6"], "Transformer layers per model (each = 2 sublayers); the "
+                      "issue's full setting is 32,12 (see the module docstring).")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (init + data order); same per variant.")
+    flags.DEFINE_integer("d_model", 64, "Hidden size D.")
+    flags.DEFINE_integer("num_heads", 4, "Attention heads.")
+    flags.DEFINE_integer("head_dim", 16, "Per-head size.")
+    flags.DEFINE_integer("d_ff", 192, "SwiGLU hidden size.")
+    flags.DEFINE_integer("seq_len", 64, "Tokens per sequence T.")
+    flags.DEFINE_integer("batch_size", 8, "Sequences per step B.")
+    flags.DEFINE_integer("steps", 150, "Optimizer steps per run.")
+    flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
+    flags.DEFINE_integer("warmup_steps", 15, "Linear warmup steps.")
+    flags.DEFINE_integer("eval_every", 25, "Validation cadence (steps); also at the end.")
+    flags.DEFINE_integer("eval_batches", 4, "Batches in the fixed validation slice.")
+    flags.DEFINE_integer(
+        "residual_blocks", 8, "N for block_attnres (sublayer blocks) and article_block (layer blocks); capped at "
+        "the number of units of the model.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
+    flags.DEFINE_string("out", "experiments/results/depth_residuals", "Output prefix (.json/.md/_*.png).")
+    flags.DEFINE_bool("isolate", True, "One subprocess per (variant, depth): per-config peak memory.")
+    flags.DEFINE_bool("reuse", True, "Reuse a (variant, depth) result already in --workdir with the "
+                      "same settings (resume an interrupted sweep).")
+    flags.DEFINE_string("notes_file", "", "Markdown appended to the table as 'What happened'.")
+    flags.DEFINE_string(
+        "report_from", "", "Rewrite <out>.md and the plots from this existing results JSON (keeps its date, machine "
+        "and raw numbers; adds --notes_file) instead of training.")
+    flags.DEFINE_string("worker", "", "Internal: JSON {settings, variant, depth, out} run by a subprocess.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,39 +418,40 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
 
 def main(argv):
     del argv
-    if _WORKER.value:
-        spec = json.loads(_WORKER.value)
+    if FLAGS.worker:
+        spec = json.loads(FLAGS.worker)
         group = run_config_group(Settings(**spec["settings"]), spec["variant"], spec["num_layers"], spec["seeds"],
                                  spec["workdir"])
         with open(spec["out"], "w") as f:
             json.dump(group, f)
         return
     notes = ""
-    if _NOTES_FILE.value:
-        with open(_NOTES_FILE.value) as f:
+    if FLAGS.notes_file:
+        with open(FLAGS.notes_file) as f:
             notes = f.read()
-    if _REPORT_FROM.value:
-        with open(_REPORT_FROM.value) as f:
+    if FLAGS.report_from:
+        with open(FLAGS.report_from) as f:
             old = json.load(f)
-        write_outputs(old["groups"], _OUT.value, notes=notes, sweep=old["sweep"], machine=old["machine"])
+        write_outputs(old["groups"], FLAGS.out, notes=notes, sweep=old["sweep"], machine=old["machine"])
         print(markdown_table(summary_rows(old["groups"])))
         return
-    settings = Settings(d_model=_D_MODEL.value, num_heads=_NUM_HEADS.value, head_dim=_HEAD_DIM.value,
-                        d_ff=_D_FF.value, seq_len=_SEQ_LEN.value, batch_size=_BATCH_SIZE.value, steps=_STEPS.value,
-                        learning_rate=_LEARNING_RATE.value, warmup_steps=_WARMUP_STEPS.value,
-                        eval_every=_EVAL_EVERY.value, eval_batches=_EVAL_BATCHES.value,
-                        residual_blocks=_RESIDUAL_BLOCKS.value, dtype=_DTYPE.value)
-    depths = [int(d) for d in _DEPTHS.value]
-    seeds = [int(s) for s in _SEEDS.value]
+    settings = Settings(d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
+                        d_ff=FLAGS.d_ff, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
+                        learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+                        eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
+                        residual_blocks=FLAGS.residual_blocks, dtype=FLAGS.dtype)
+    depths = [int(d) for d in FLAGS.depths]
+    seeds = [int(s) for s in FLAGS.seeds]
     start = time.time()
-    groups = run_sweep(settings, _VARIANTS.value, depths, seeds, workdir=_WORKDIR.value, isolate=_ISOLATE.value,
-                       reuse=_REUSE.value)
-    write_outputs(groups, _OUT.value, notes=notes,
-                  sweep={"variants": _VARIANTS.value, "depths": depths, "seeds": seeds,
-                         "isolate": _ISOLATE.value, "sweep_wall_seconds": time.time() - start})
+    groups = run_sweep(settings, FLAGS.variants, depths, seeds, workdir=FLAGS.workdir, isolate=FLAGS.isolate,
+                       reuse=FLAGS.reuse)
+    write_outputs(groups, FLAGS.out, notes=notes,
+                  sweep={"variants": FLAGS.variants, "depths": depths, "seeds": seeds,
+                         "isolate": FLAGS.isolate, "sweep_wall_seconds": time.time() - start})
     print(markdown_table(summary_rows(groups)))
 
 
 if __name__ == "__main__":
+    _define_flags()
     flags.FLAGS.set_default("verbosity", -1)  # keep orbax's per-save INFO lines out of the log
     app.run(main)
