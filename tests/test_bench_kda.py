@@ -31,3 +31,13 @@ def test_check_rows_and_merge_with_fla_rows(tmp_path):
     cells = [c.strip() for c in fwd[0].strip("|").split("|")]
     assert cells[5] == f"{fla_row['median_ms']:.2f}"          # the fla column comes from the .jsonl
     assert cells[7] == "0.50"                                   # chunked / best peer
+
+
+def test_experiment_modules_the_tests_import_coexist_in_one_process():
+    """pytest-xdist puts any two test files in one worker: the experiment modules tests import in-process
+    must not define clashing absl flags at import (only bench_kda_kernels defines them eagerly)."""
+    repo = __file__.rsplit("/tests/", 1)[0]
+    mods = ("bench_grouped_gemm_ops", "depth_residuals", "moe_balance", "qb_convergence", "bench_kda_kernels")
+    code = "import importlib\n" + "".join(f"importlib.import_module('experiments.{m}')\n" for m in mods)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
