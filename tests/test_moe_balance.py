@@ -1,4 +1,7 @@
 """experiments/moe_balance.py machinery: executable reuse across seeds, merging result files."""
+import os
+import subprocess
+import sys
 import jax
 import pytest
 
@@ -136,13 +139,18 @@ def test_methods_table_rows_build_valid_configs(tmp_path):
     ema = moe_balance.run_config(base, "quantile_exact_ema0.9", 0, num_experts=4, top_k=2, steps=2,
                                  workdir_root=str(tmp_path)).model.balancing_config()
     assert (ema.method, ema.quantile_estimator, ema.ema) == ("quantile", "exact", 0.9)
+    it4 = moe_balance.run_config(base, "quantile_exact_iter4", 0, num_experts=4, top_k=2, steps=2,
+                                 workdir_root=str(tmp_path)).model.balancing_config()
+    assert (it4.method, it4.quantile_estimator, it4.quantile_iterations) == ("quantile", "exact", 4)
 
 
 def test_import_defines_no_flags_and_budget_estimate_drops_compile_time():
-    from absl import flags  # noqa: PLC0415
-
-    for name in ("merge", "compilation_cache_dir", "time_budget_s"):  # flags only this script defines
-        assert name not in flags.FLAGS
+    # in a fresh interpreter: under xdist another test module may define same-named flags in this one
+    code = ("from absl import flags\nimport experiments.moe_balance\n"
+            "assert not {'merge', 'compilation_cache_dir', 'time_budget_s'} & set(flags.FLAGS), 'flags at import'")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
     walls = {"a": [52.0], "b": [60.0]}
     repeat = {"a": [52.0 - 22.0]}
     assert moe_balance.expected_run_seconds("a", walls, repeat) == 30.0  # seed 1 reuses the executables
