@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+
 import jax
 import pytest
 
