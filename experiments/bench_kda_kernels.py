@@ -29,9 +29,11 @@ one row per (kernel, ablation, num_warps) with the kernel time only (no errors: 
 computes WRONG results, only its time means something). An ablation removes a named piece of the
 kernel body (common.FWD_ABLATIONS / BWD_ABLATIONS / STATE_ABLATIONS; "a+b" removes both; "none" is
 the kernel as shipped), so `ms(none) - ms(piece)` is what the piece costs in context. Kernels:
---ablate_kernels (intra_fwd, intra_fwd_save, state_fwd, intra_bwd; a name a kernel does not know is
-skipped for it), each at every --ablate_warps value. Inputs are random of the right shapes and
-dtypes (the kernels' times do not depend on the values). All rows are lowered and compiled in
+--ablate_kernels (intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, intra_bwd, ...; a name a
+kernel does not know is skipped for it; intra_fwd_split and intra_bwd_split time both of
+their pallas_calls, with the real options bf16_dots, gate_cumsum and, for intra_bwd_split,
+compact as "ablations"), each at every --ablate_warps value. Inputs are random of the right shapes
+and dtypes (the kernels' times do not depend on the values). All rows are lowered and compiled in
 --compile_threads threads first, then timed one by one in order; --time_budget_s stops the run (the
 JSON keeps the rows done).
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --ablate=none,compute,scores \
@@ -79,13 +81,14 @@ flags.DEFINE_bool("interpret", False, "Pallas interpret mode (a CPU smoke run of
 flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as shipped; 'a+b' = "
                   "both); empty = the normal rows")
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
-                  "intra_fwd, intra_fwd_save, state_fwd, intra_bwd")
+                  "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
+                  "state_fwd_vp, output_fwd, intra_bwd, intra_bwd_split")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
                   "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
                   "at --check_shape): 'base' or '+'-joined names from split_bwd, par_out, "
-                  "bf16_state, bf16_intra, xla_cumsum")
+                  "bf16_state, bf16_intra, xla_cumsum, split_fwd, compact_bwd")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
                    "seconds since the start (0 = no limit)")
@@ -240,16 +243,20 @@ def time_op(name, fn, B, T, H, K, iters, warmup):
 
 # Kernel rows: the kernels' private ablations, plus "gate_cumsum" (a real option, not an ablation:
 # the kernel reads the chunk cumsum G instead of g; the XLA cumsum is not in the kernel row).
+# "compact" (intra_bwd_split only) is the real option compact_offdiag (kernel b row block by row
+# block); the *_split kernels time both of their pallas_calls in one row.
 ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_fwd_save": common.FWD_ABLATIONS + ("gate_cumsum",),
+                  "intra_fwd_split": ("bf16_dots", "gate_cumsum"),
                   "state_fwd": common.STATE_ABLATIONS,
                   "intra_bwd": common.BWD_ABLATIONS + ("gate_cumsum",),
-                  "intra_bwd_split": ("bf16_dots", "gate_cumsum"), "state_fwd_vp": ("bf16_dots",),
-                  "output_fwd": ("bf16_dots",)}
+                  "intra_bwd_split": ("bf16_dots", "gate_cumsum", "compact"),
+                  "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
 # --variants: names of ops.KernelOptions fields ("a+b" sets both; "base" = KernelOptions()).
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
-                  "xla_cumsum": "xla_gate_cumsum"}
+                  "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
+                  "compact_bwd": "compact_offdiag_bwd"}
 
 
 def variant_options(spec: str) -> ops.KernelOptions:
@@ -281,6 +288,7 @@ def profile_inputs(B, T, H, K):
     qg, kd, w, u, aqk, gl = fac
     bwd_in = (q, k, v, g, beta, do, du, h, dh, w, u, A, M)
     return {"intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
+            "intra_fwd_split": (q, k, v, g, beta),
             "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
@@ -299,6 +307,11 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
         return lambda *a: fwd.intra_fwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                         factor_dtype=fdt, save_solve=kernel == "intra_fwd_save",
                                         gate_cumsum=gc, _ablate=ablate, _params=params)
+    if kernel == "intra_fwd_split":
+        return lambda *a: fwd.intra_fwd_split(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                              factor_dtype=fdt,
+                                              bf16_dots="bf16_dots" in ablate, gate_cumsum=gc,
+                                              _params=params)
     if kernel == "state_fwd":
         return lambda fac, h0: fwd.state_fwd(
             *fac, h0, chunk_size=CHUNK, block_v=min(K, 64), interpret=interpret,
@@ -318,7 +331,7 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     if kernel == "intra_bwd_split":
         return lambda *a: bwd.intra_bwd_split(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                               bf16_dots="bf16_dots" in ablate, gate_cumsum=gc,
-                                              _params=params)
+                                              compact_offdiag="compact" in ablate, _params=params)
     raise ValueError(f"{kernel=} is not a profiled kernel; expected one of {tuple(ABLATION_NAMES)}")
 
 

@@ -12,6 +12,8 @@ errors without a GPU (it does not compile the Triton IR, so shared-memory or reg
 seen on the GPU). `TestPallasGPU` (marker `gpu`) runs the same checks compiled for the H200 (Triton
 lowering) at K = V = 128, T up to 8192, plus a 2^20-token forward with bounded gates.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,14 +181,17 @@ class TestPallasInterpret(KDAImplementationTests):
 
 
 class TestPallasVariantsInterpret(TestPallasInterpret):
-    """The round-3 kernel variants (all of ops.KernelOptions on: intra_bwd as two kernels, the
-    fla-style forward with a parallel output kernel, bf16 operands for the state and intra dots,
-    the gate cumsums in XLA)
+    """The round-3 kernel variants (all of ops.KernelOptions on: intra_bwd as two kernels with the
+    compact row-block score-tile backward, intra_fwd as two kernels, the fla-style forward with a
+    parallel output kernel, bf16 operands for the state and intra dots, the gate cumsums in XLA)
     against the same references and tolerances; the option refusals are the default path's and
-    are not repeated."""
+    are not repeated. The branches that only run without xla_gate_cumsum (intra_fwd_split's own
+    cumsum, G written by intra_bwd_a for the compact kernel) are checked against the default
+    kernels, with and without segment_ids, in test_variants_match_the_default_kernels."""
 
     options = ops.KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
-                                bf16_intra_dots=True, xla_gate_cumsum=True)
+                                bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
+                                compact_offdiag_bwd=True)
 
     def run(self, q, k, v, g, beta, **kwargs):
         kwargs.pop("chunk_size", None)
@@ -225,10 +230,16 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
         # Measured (interpret): split_intra_bwd is bit-identical; xla_gate_cumsum dg 1.3e-5 (the
         # in-kernel reverse cumsum, total - cumsum + dG, cancels); parallel_output o 2.5e-4 (o reads
         # the bf16-stored state), with bf16_state_dots o 2.8e-3, ht 1.5e-3; bf16_intra_dots o 2.9e-3,
-        # dg 4.3e-3 (the rest less). Options with like tolerances run together (CI time).
+        # dg 4.3e-3 (the rest less); split_intra_fwd bit-identical, compact_offdiag_bwd dg 2-4e-5,
+        # dk <= 4e-5 (bf16 rounding of the outputs; fp32 inputs: dg 4e-7). The last group runs
+        # the branches that only exist without xla_gate_cumsum (intra_fwd_b's own cumsum, G written
+        # by intra_bwd_a for the compact kernel b); with segment_ids and every other option they
+        # are compared to the recurrence by this class's shared tests. Options with like
+        # tolerances run together (CI time).
         for fields, tol in ((("split_intra_bwd", "xla_gate_cumsum"), 1e-4),
                             (("parallel_output", "bf16_state_dots"), 5e-3),
-                            (("bf16_intra_dots",), 8e-3)):
+                            (("bf16_intra_dots",), 8e-3),
+                            (("split_intra_fwd", "compact_offdiag_bwd"), 1e-4)):
             o, ht, grads = run(ops.KernelOptions(**{f: True for f in fields}))
             assert_rms_close(f"{fields} o", o0, o, tol)
             assert_rms_close(f"{fields} ht", ht0, ht, tol)
@@ -320,17 +331,23 @@ class TestTritonLowering:
     """Forward and gradient lower to Triton IR for CUDA (bf16 at K = V = 128, the benchmark's head dim;
     fp32 at the largest head dim supported compiled, ops.MAX_FP32_HEAD_DIM)."""
 
-    @pytest.mark.parametrize("variants", [False, True])
+    @pytest.mark.parametrize("variants", [None, "all"])
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
     @pytest.mark.parametrize("sequence_split", [0, None])
     def test_lowers_for_cuda(self, dtype, sequence_split, variants):
         self._check_lowering(dtype, sequence_split, variants, segments=False)
 
-    @pytest.mark.parametrize("variants", [False, True])
+    @pytest.mark.parametrize("variants", [None, "all", "split_fwd+compact"])
     def test_lowers_for_cuda_with_segment_ids(self, variants):
         # The document masks (an int32 [C] block per chunk, selects in intra_fwd / intra_bwd /
-        # intra_bwd_a) lower too; same kernel count as without.
+        # intra_bwd_a / intra_fwd_a / intra_fwd_b) lower too; same kernel count as without.
         self._check_lowering(jnp.bfloat16, None, variants, segments=True)
+
+    def test_lowers_for_cuda_split_fwd_compact_bwd(self):
+        # The two options without xla_gate_cumsum: intra_fwd_b runs its own cumsum, intra_bwd_a
+        # writes G for the compact kernel b ([16, n] ref slices, n = 16, 32, 64); fp32 (IEEE
+        # dots) here, bf16 (bf16x3 diagonal tiles) in test_lowers_for_cuda_with_segment_ids.
+        self._check_lowering(jnp.float32, 0, "split_fwd+compact", segments=False)
 
     @staticmethod
     def _check_lowering(dtype, sequence_split, variants, segments):
@@ -342,8 +359,12 @@ class TestTritonLowering:
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
         beta = jax.ShapeDtypeStruct((B, T, H), dtype)
 
-        # variants: every ops.KernelOptions on: +1 forward call (output_fwd), +1 backward (intra_bwd_b).
-        options = ops.KernelOptions(True, True, True, True, True) if variants else None
+        # variants "all": every ops.KernelOptions on: +2 forward calls (output_fwd, intra_fwd_b),
+        # +1 backward (intra_bwd_b); "split_fwd+compact": +1 forward (intra_fwd_b), +1 backward.
+        fields = {None: (), "all": tuple(f.name for f in dataclasses.fields(ops.KernelOptions)),
+                  "split_fwd+compact": ("split_intra_fwd", "compact_offdiag_bwd")}[variants]
+        options = ops.KernelOptions(**{f: True for f in fields}) if variants else None
+        extra_fwd, extra_bwd = {None: (0, 0), "all": (2, 1), "split_fwd+compact": (1, 1)}[variants]
 
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 
@@ -355,7 +376,7 @@ class TestTritonLowering:
             return jnp.sum(fwd(*a).astype(jnp.float32))
 
         n_fwd, n_bwd = (2, 2) if sequence_split == 0 else (4, 4)
-        n_fwd, n_bwd = n_fwd + variants, n_bwd + variants
+        n_fwd, n_bwd = n_fwd + extra_fwd, n_bwd + extra_bwd
         with _fake_h200():
             for fn, n_calls in ((fwd, n_fwd), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), n_fwd + n_bwd)):
                 text = jax.jit(fn).trace(q, q, q, g, beta).lower(lowering_platforms=("cuda",)).as_text()
@@ -381,7 +402,7 @@ class TestProfilingAblations:
                     lowered = jax.jit(bk.profile_fn(kernel, ablate, 4, K, False)).trace(
                         *inputs[kernel]).lower(lowering_platforms=("cuda",))
                     texts[ablate] = lowered.as_text()
-                    n_calls = 2 if kernel == "intra_bwd_split" else 1
+                    n_calls = 2 if "_split" in kernel else 1
                     assert texts[ablate].count("__gpu$xla.gpu.triton") == n_calls, (kernel, ablate)
                 unchanged = [a for a in texts if a and texts[a] == texts[()]]
                 assert not unchanged, (kernel, unchanged)

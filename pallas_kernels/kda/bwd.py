@@ -21,7 +21,9 @@ Precision (common.py): the dL = -A^T dA A^T products and the diagonal-tile part 
 score backward (whose dG terms cancel in the reverse cumsum; b~ up to e^80) use fp32 operands at
 `common.exact_precision`: HIGHEST (IEEE) for fp32 inputs, BF16_BF16_F32_X3 (split-bf16 tensor-core
 dots) for bf16 inputs. The off-diagonal score tiles (exponents <= 0), dX, dY, dA use
-`common.mm_precision`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs.
+`common.mm_precision`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs. With
+ops.KernelOptions.compact_offdiag_bwd the same sums run row block by row block on ref slices
+(_intra_bwd_b_compact_kernel), the column side anchored at the end of each column block.
 """
 from __future__ import annotations
 
@@ -274,9 +276,11 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
 def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                         w_ref, u_ref, a_ref, m_ref, *refs, scale, dtype, flags=frozenset()):
     seg_ref, refs = (refs[0], refs[1:]) if "segmented" in flags else (None, refs)
-    dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref = refs
+    dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref, *g_out = refs
     C = q_ref.shape[0]
     gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
+    if g_out:                                 # compact kernel b reads row slices of G
+        g_out[0][...] = gate.G
     p, exact = _precisions(dtype, flags)
     r = _state_solve_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32),
                          v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
@@ -310,6 +314,97 @@ def _intra_bwd_b_kernel(q_ref, k_ref, g_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref,
     dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref,
+                                daqk_ref, dq_ref, dk_ref, dg_ref, *, scale, dtype,
+                                flags=frozenset()):
+    """Kernel b of intra_bwd_split with compact_offdiag: the score-tile backward row block by row
+    block on row slices of the refs, no masked [C, C] x [C, K] dots.
+
+    Row block r (rows i in [16 r, 16 r + 16), the same block as columns j for the column side):
+      diagonal tile (own anchor anc_r, b~ up to e^{16|lb|}): 4 [16, 16] x [16, K] dots at `exact`;
+      row side (columns j < 16 r, anchor anc_r, as _score_bwd): [16, n] x [n, K] dots at `p` with
+        n = 16, 32, 64 for r = 1, 2, 3 (j >= 16 r zeroed in the operand by a select);
+      column side (rows i in the later blocks, re-anchored at the END of block r: anc_{r+1} = G of
+        row 16 r + 15, so a~_i = a_i e^{G_i - anc_{r+1}} <= 1 and b~_j = b_j e^{anc_{r+1} - G_j} <= 1
+        for every later block at once): [n, 16]^T x [n, K] dots on rows [C - n, C), n = 64, 32, 16
+        for r = 0, 1, 2 (rows of blocks <= r zeroed by a select).
+    Same sums as _score_bwd (whose column side groups by the row block's anchor instead): equal up
+    to rounding. G_ref holds the chunk cumsum G (fp32; XLA's with gate_cumsum, else kernel a's).
+    dq, dk, dg are stored per row block; the reverse cumsum of dG (without gate_cumsum) runs from
+    the last block to the first with the running total of the later blocks.
+    """
+    C, K = k_ref.shape
+    BT = cm.BT
+    ns = C // BT
+    p, exact = _precisions(dtype, flags)
+    gate_cumsum = "gate_cumsum" in flags
+    dgl = dgl_ref[...].reshape(1, K)
+    zero_row = jnp.zeros((1, K), F32)
+
+    def G_row(i):                                  # row i of G as [1, K]; i < 0: the chunk start
+        return zero_row if i < 0 else G_ref[pl.ds(i, 1), :].astype(F32)
+
+    later = zero_row                               # sum of dG over the blocks after r
+    for r in reversed(range(ns)):
+        rows = pl.ds(r * BT, BT)
+        anc = G_row(r * BT - 1)
+        G = G_ref[rows, :].astype(F32)
+        k = k_ref[rows, :].astype(F32)
+        q = q_ref[rows, :].astype(F32)
+        ea = jnp.exp(G - anc)                      # <= 1
+        kt, qt = k * ea, scale * q * ea
+        ebd = jnp.exp(anc - G)                     # <= e^{16|lb|}
+        kbd = k * ebd
+        dm_d, dq_d = dm_ref[rows, rows], daqk_ref[rows, rows]
+        sa_m = cm.dot(dm_d, kbd, exact)
+        sa_q = cm.dot(dq_d, kbd, exact)
+        sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
+        if r > 0:                                  # row side: columns j < 16 r, anchor anc_r
+            n = BT * _pow2_at_least(r)
+            cols = pl.ds(0, n)
+            Gc = G_ref[cols, :].astype(F32)
+            kc = k_ref[cols, :].astype(F32)
+            if n == r * BT:
+                kb = kc * jnp.exp(anc - Gc)
+            else:
+                before = lax.broadcasted_iota(jnp.int32, (n, 1), 0) < r * BT
+                kb = jnp.where(before, kc * jnp.exp(jnp.where(before, anc - Gc, 0.0)), 0.0)
+            sa_m = sa_m + cm.dot(dm_ref[rows, cols], kb, p)
+            sa_q = sa_q + cm.dot(daqk_ref[rows, cols], kb, p)
+        if r < ns - 1:                             # column side: rows of the later blocks
+            anc1 = G_row(r * BT + BT - 1)
+            n = BT * _pow2_at_least(ns - 1 - r)
+            start = C - n
+            rr = pl.ds(start, n)
+            e = G_ref[rr, :].astype(F32) - anc1
+            ka, qa = k_ref[rr, :].astype(F32), scale * q_ref[rr, :].astype(F32)
+            if start >= (r + 1) * BT:
+                e = jnp.exp(e)
+                ka, qa = ka * e, qa * e
+            else:
+                after = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0) >= (r + 1) * BT
+                e = jnp.exp(jnp.where(after, e, 0.0))
+                ka, qa = jnp.where(after, ka * e, 0.0), jnp.where(after, qa * e, 0.0)
+            sb = sb + jnp.exp(anc1 - G) * (cm.dot_tn(dm_ref[rr, rows], ka, p)
+                                           + cm.dot_tn(daqk_ref[rr, rows], qa, p))
+        dq = dqp_ref[rows, :] + scale * ea * sa_q
+        dk = dkp_ref[rows, :] + ea * sa_m + sb
+        dG = dgp_ref[rows, :] + kt * sa_m + qt * sa_q - k * sb
+        if gate_cumsum:
+            dg = _last_row_plus(dG, dgl) if r == ns - 1 else dG
+        else:
+            total = jnp.sum(dG, axis=0, keepdims=True)
+            dg = later + total - jnp.cumsum(dG, axis=0) + dG + dgl
+            later = later + total
+        dg_ref[rows, :] = dg.astype(dg_ref.dtype)
+        dq_ref[rows, :] = dq.astype(dq_ref.dtype)
+        dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+
+
 def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
                        w_ref, u_ref, a_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref):
     """The "compute" ablation: every input read, every output written, no chunk arithmetic."""
@@ -329,8 +424,8 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
               interpret: bool, split: bool = False, bf16_dots: bool = False,
-              gate_cumsum: bool = False, segments=None, _ablate: tuple[str, ...] = (),
-              _params=None):
+              gate_cumsum: bool = False, segments=None, compact_offdiag: bool = False,
+              _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -350,18 +445,22 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
       common.chunk_cumsum(dg, C, reverse=True) (ops.KernelOptions.xla_gate_cumsum).
     segments: None or rel [B, T] int32 as intra_fwd's (the forward must have used the same): the
       forward's document masks applied in the chain rule (common.Segments).
+    compact_offdiag: the score-tile backward row block by row block on ref slices, without the
+      masked 3/4-zero dots (_intra_bwd_b_compact_kernel; ops.KernelOptions.compact_offdiag_bwd).
+      It needs dM, dAqk and G in refs, so it runs the split kernels (implies split=True).
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
-    Raises: ValueError for an unknown _ablate name.
+    Raises: ValueError for an unknown _ablate name, or any _ablate with split / compact_offdiag.
     """
     ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
-    if split:
+    if split or compact_offdiag:
         if ablate:
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
-                               gate_cumsum=gate_cumsum, segments=segments, _params=_params)
+                               gate_cumsum=gate_cumsum, segments=segments,
+                               compact_offdiag=compact_offdiag, _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -396,7 +495,7 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
 
 def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
                     interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
-                    segments=None, _params=None):
+                    segments=None, compact_offdiag: bool = False, _params=None):
     """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
@@ -407,6 +506,9 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     (kda_pallas_notes.md): the fused kernel keeps the [V, K] states and the score-tile values live
     at once; split, each body holds about half. With segments only kernel a reads them (dM and
     dAqk leave it masked).
+    compact_offdiag: kernel b is _intra_bwd_b_compact_kernel (row-block slices of the refs, no
+    3/4-zero masked dots); without gate_cumsum kernel a then also writes the chunk cumsum G
+    [B, H, T, K] fp32 for it (32 KiB per chunk written and read).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -424,25 +526,28 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
                        else set()) | ({"gate_cumsum"} if gate_cumsum else set())
                       | ({"segmented"} if segments is not None else set()))
-    dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk = pl.pallas_call(
+    write_G = compact_offdiag and not gate_cumsum
+    dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk, *G = pl.pallas_call(
         functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta]
                  + ([cm.seg_spec(C)] if segments is not None else []),
-        out_specs=[iv, ib, tk, tk, tk, tg, ta, ta],
+        out_specs=[iv, ib, tk, tk, tk, tg, ta, ta] + ([tk] if write_G else []),
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
                    jax.ShapeDtypeStruct((B, T, H), F32)]
                   + [jax.ShapeDtypeStruct((B, H, T, K), F32)] * 3
                   + [jax.ShapeDtypeStruct((B, H, NT, K), F32)]
-                  + [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2,
+                  + [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
+                  + ([jax.ShapeDtypeStruct((B, H, T, K), F32)] if write_G else []),
         interpret=interpret, compiler_params=params, name="kda_intra_bwd_a",
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segments is not None else []))
+    kernel_b = _intra_bwd_b_compact_kernel if compact_offdiag else _intra_bwd_b_kernel
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_intra_bwd_b_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
-        in_specs=[ik, ik, ik, tk, tk, tk, tg, ta, ta],
+        functools.partial(kernel_b, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
+        in_specs=[ik, ik, tk if write_G else ik, tk, tk, tk, tg, ta, ta],
         out_specs=[ik, ik, ik],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), F32)],
         interpret=interpret, compiler_params=params, name="kda_intra_bwd_b",
-    )(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk)
+    )(q, k, G[0] if write_G else g, dqp, dkp, dgp, dgl, dM, dAqk)
     return dq, dk, dv, dg, dbeta

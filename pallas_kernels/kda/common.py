@@ -327,7 +327,16 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=froz
     ablate: profiling ablations "scores", "solve", "wu", "bf16_dots" (FWD_ABLATIONS; wrong results).
     seg: Segments of the chunk or None: M and Aqk keep same-document pairs, X rows that read the
     incoming state (so A is block-diagonal per document and W = A X is zero on the other rows).
+    The two halves are `solve_factors` (M, A, Aqk) and `wu_factors` (X, Y, W, U), which
+    fwd.intra_fwd_split runs in two kernels.
     """
+    f = solve_factors(q, k, beta, gate, scale=scale, dtype=dtype, ablate=ablate, seg=seg)
+    f.update(wu_factors(f["A"], k, v, beta, gate.G, dtype=dtype, ablate=ablate, seg=seg))
+    return f
+
+
+def solve_factors(q, k, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset(), seg=None):
+    """First half of chunk_factors: dict M, A = (I + L)^-1 (L = beta M) and Aqk [C, C] fp32."""
     C = k.shape[0]
     rows, cols = iotas(C, C)
     prec = BF16_OPERANDS if "bf16_dots" in ablate else mm_precision(dtype)
@@ -346,16 +355,24 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=froz
         A = jnp.where(rows == cols, 1.0, 0.0) - beta * M
     else:
         A = unit_lower_inverse(beta * M, prec)
-    X = beta * jnp.exp(gate.G) * k
-    X = keep(X, seg, "row_in")
-    Y = beta * v
     if "scores" in ablate:
         Aqk = jnp.where(rows >= cols, scale * row_sums(q) * ones, 0.0)
     else:
         Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
     Aqk = keep(Aqk, seg, "same")
+    return dict(M=M, A=A, Aqk=Aqk)
+
+
+def wu_factors(A, k, v, beta, G, *, dtype, ablate=frozenset(), seg=None):
+    """Second half of chunk_factors (fla's recompute_w_u): from A [C, C] fp32, k [C, K], v [C, V],
+    beta [C, 1] and the chunk cumsum G [C, K] (all fp32 values), dict X = beta e^G k (rows that read
+    the incoming state only, with seg), Y = beta v, W = A X, U = A Y at mm precision (or bf16
+    operands with the "bf16_dots" ablation / option)."""
+    prec = BF16_OPERANDS if "bf16_dots" in ablate else mm_precision(dtype)
+    X = keep(beta * jnp.exp(G) * k, seg, "row_in")
+    Y = beta * v
     if "wu" in ablate:
         W, U = X, Y
     else:
         W, U = dot(A, X, prec), dot(A, Y, prec)
-    return dict(M=M, A=A, X=X, Y=Y, W=W, U=U, Aqk=Aqk)
+    return dict(X=X, Y=Y, W=W, U=U)

@@ -1,6 +1,8 @@
 """KDA chunk forward kernels: intra-chunk factors (parallel) and the serial state pass (state_fwd:
 state and o in one serial pass; or, ops.KernelOptions.parallel_output, state_fwd_vp carrying only
 the state and writing V' and the per-chunk states, then output_fwd forming o in parallel, as fla).
+The intra-chunk factors are one kernel (intra_fwd) or, ops.KernelOptions.split_intra_fwd, two
+(intra_fwd_split: scores and solve, then W / U, as fla's recompute_w_u).
 
 Layouts: the user-facing tensors stay token-major as given, q, k, g [B, T, H, K], v and o
 [B, T, H, V], beta [B, T, H] (BlockSpecs pick one head's [C, K] rows with stride H * K: no transposes
@@ -78,8 +80,8 @@ def _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_r
 
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
               factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
-              gate_cumsum: bool = False, segments=None, _ablate: tuple[str, ...] = (),
-              _params=None):
+              gate_cumsum: bool = False, segments=None, split: bool = False,
+              _ablate: tuple[str, ...] = (), _params=None):
     """Per-chunk factors, one program per (batch, head, chunk).
 
     Args: q, k [B, T, H, K] (bf16 or fp32); v [B, T, H, V]; g [B, T, H, K] fp32 log-decay (nats);
@@ -100,12 +102,21 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         reset the state at every document start: qg and w zero on rows whose document started
         inside the chunk, kd zero outside the chunk's last document, gl zero when the chunk holds a
         document start, aqk and M (hence A) zero across documents.
+      split: run it as two kernels (intra_fwd_split; ops.KernelOptions.split_intra_fwd): the
+        scores and the solve, then W = A X, U = A Y reading A; same math, same returns.
       _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
         common.FWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
       _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
-    Raises: ValueError for an unknown _ablate name.
+    Raises: ValueError for an unknown _ablate name, or any _ablate with split.
     """
     ablate = cm.check_ablate(_ablate, cm.FWD_ABLATIONS, "_ablate")
+    if split:
+        if ablate:
+            raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
+        return intra_fwd_split(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
+                               interpret=interpret, factor_dtype=factor_dtype,
+                               save_solve=save_solve, bf16_dots=bf16_dots,
+                               gate_cumsum=gate_cumsum, segments=segments, _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -139,6 +150,94 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         out_shape=out_shape, interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS,
         name="kda_intra_fwd",
     )(q, k, v, g, beta, *([segments] if segmented else []))
+
+
+def _intra_fwd_a_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, dtype, flags=frozenset()):
+    seg_ref, refs = (refs[0], refs[1:]) if "segmented" in flags else (None, refs)
+    qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *m_ref = refs
+    gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
+    seg = cm.segments_of(seg_ref)
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    qg_ref[...] = cm.keep(scale * q * jnp.exp(gate.G), seg, "row_in").astype(qg_ref.dtype)
+    kd_ref[...] = cm.keep(k * jnp.exp(gate.G_last - gate.G), seg, "in_last").astype(kd_ref.dtype)
+    gl_ref[...] = cm.keep(jnp.exp(gate.G_last), seg, "carry").reshape(gl_ref.shape)
+    b = beta_ref[...].astype(F32)[:, None]
+    f = cm.solve_factors(q, k, b, gate, scale=scale, dtype=dtype,
+                         ablate=flags & {"bf16_dots"}, seg=seg)
+    aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
+    a_ref[...] = f["A"]
+    if m_ref:
+        m_ref[0][...] = f["M"]
+
+
+def _intra_fwd_b_kernel(k_ref, v_ref, g_ref, beta_ref, a_ref, *refs, dtype, flags=frozenset()):
+    seg_ref, refs = (refs[0], refs[1:]) if "segmented" in flags else (None, refs)
+    w_ref, u_ref = refs
+    g = g_ref[...].astype(F32)
+    G = g if "gate_cumsum" in flags else jnp.cumsum(g, axis=0)
+    f = cm.wu_factors(a_ref[...], k_ref[...].astype(F32), v_ref[...].astype(F32),
+                      beta_ref[...].astype(F32)[:, None], G, dtype=dtype,
+                      ablate=flags & {"bf16_dots"}, seg=cm.segments_of(seg_ref))
+    w_ref[...] = f["W"].astype(w_ref.dtype)
+    u_ref[...] = f["U"].astype(u_ref.dtype)
+
+
+def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
+                    factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
+                    gate_cumsum: bool = False, segments=None, _params=None):
+    """intra_fwd as two kernels, each one program per (batch, head, chunk); same args and returns.
+
+    Kernel a ("kda_intra_fwd_a"): gate cumsum, the anchored score GEMMs and (I + L)^-1: writes qg,
+    kd, aqk, e^{G_last} and A [B, H, T, C] fp32 (always: kernel b reads it), M with save_solve.
+    Kernel b ("kda_intra_fwd_b", fla's recompute_w_u): X = beta e^G k, Y = beta v, W = A X,
+    U = A Y from k, v, g, beta and A (its own chunk cumsum of g unless gate_cumsum). Round-3 lever
+    (kda_pallas_notes.md): the fused body holds the score values, the solve and the [C, K] / [C, V]
+    W / U operands at once; split, neither does. Cost: A written and read once more (32 KiB per
+    chunk; with save_solve it is written anyway) and k, v, g, beta read twice. Both kernels apply
+    the segment masks (cm.Segments) that concern their outputs.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NT = T // C
+    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
+    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
+    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
+    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
+    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
+    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
+    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
+    segmented = segments is not None
+    flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+                       else set()) | ({"gate_cumsum"} if gate_cumsum else set())
+                      | ({"segmented"} if segmented else set()))
+    params = _params or cm.INTRA_PARAMS
+    seg_in = [segments] if segmented else []
+    seg_spec = [cm.seg_spec(C)] if segmented else []
+    outs = pl.pallas_call(
+        functools.partial(_intra_fwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags),
+        grid=(B, H, NT), in_specs=[ik, ik, ik, ib] + seg_spec,
+        out_specs=[tk, tk, ta, tg, ta] + ([ta] if save_solve else []),
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), fd[0]),
+                   jax.ShapeDtypeStruct((B, H, T, K), fd[1]),
+                   jax.ShapeDtypeStruct((B, H, T, C), fd[4]),
+                   jax.ShapeDtypeStruct((B, H, NT, K), F32),
+                   jax.ShapeDtypeStruct((B, H, T, C), F32)]
+                  + ([jax.ShapeDtypeStruct((B, H, T, C), F32)] if save_solve else []),
+        interpret=interpret, compiler_params=params, name="kda_intra_fwd_a",
+    )(q, k, g, beta, *seg_in)
+    qg, kd, aqk, gl, A = outs[:5]
+    w, u = pl.pallas_call(
+        functools.partial(_intra_fwd_b_kernel, dtype=q.dtype, flags=flags),
+        grid=(B, H, NT), in_specs=[ik, iv, ik, ib, ta] + seg_spec,
+        out_specs=[tk, tv],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), fd[2]),
+                   jax.ShapeDtypeStruct((B, H, T, V), fd[3])],
+        interpret=interpret, compiler_params=params, name="kda_intra_fwd_b",
+    )(k, v, g, beta, A, *seg_in)
+    return (qg, kd, w, u, aqk, gl) + ((A, outs[5]) if save_solve else ())
 
 
 

@@ -25,7 +25,9 @@ the kernels take no extra input and are the same as before.
 
 Kernel variants with the same math (ops.KernelOptions; defaults unchanged until a GPU run shows
 a variant faster): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
-forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots.
+forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots and the
+intra dots, the gate cumsums in XLA, intra_fwd as two kernels (fwd.intra_fwd_split), the compact
+row-block score-tile backward.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
@@ -125,6 +127,14 @@ class KernelOptions:
       run in XLA (common.chunk_cumsum; ~0.3 GB read + write each at 8x4096x16) instead of inside
       intra_fwd / intra_bwd, whose anchors then are ref loads (the round-3 profile measured the
       in-kernel cumsums at ~1.4 ms of intra_fwd and ~5 ms of intra_bwd).
+    split_intra_fwd: intra_fwd as two kernels (fwd.intra_fwd_split): scores + (I + L)^-1 writing A,
+      then W = A X, U = A Y reading A (fla's recompute_w_u), so that neither body holds the score
+      values, the solve and the W / U operands at once. Without xla_gate_cumsum the second kernel
+      runs its own chunk cumsum of g.
+    compact_offdiag_bwd: the score-tile backward row block by row block on row slices of the refs
+      ([16, n] x [n, K] dots, n <= 64) instead of 12 masked [64, 64] x [64, K] dots of which 3/4 of
+      the rows are zero (bwd._intra_bwd_b_compact_kernel). It needs the score gradients in HBM, so
+      it runs the two-kernel backward whatever split_intra_bwd says (implies it).
     """
 
     split_intra_bwd: bool = False
@@ -132,6 +142,8 @@ class KernelOptions:
     bf16_state_dots: bool = False
     bf16_intra_dots: bool = False
     xla_gate_cumsum: bool = False
+    split_intra_fwd: bool = False
+    compact_offdiag_bwd: bool = False
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -217,7 +229,8 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
         g = common.chunk_cumsum(g, chunk_size)
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
-                        gate_cumsum=options.xla_gate_cumsum, segments=rel)
+                        gate_cumsum=options.xla_gate_cumsum, segments=rel,
+                        split=options.split_intra_fwd)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -233,7 +246,8 @@ def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks,
     *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                                interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
                                save_solve=True, bf16_dots=options.bf16_intra_dots,
-                               gate_cumsum=options.xla_gate_cumsum, segments=rel)
+                               gate_cumsum=options.xla_gate_cumsum, segments=rel,
+                               split=options.split_intra_fwd)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -259,7 +273,8 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, c
                                           chunk_size=chunk_size, interpret=interpret,
                                           split=options.split_intra_bwd,
                                           bf16_dots=options.bf16_intra_dots,
-                                          gate_cumsum=options.xla_gate_cumsum, segments=rel)
+                                          gate_cumsum=options.xla_gate_cumsum, segments=rel,
+                                          compact_offdiag=options.compact_offdiag_bwd)
     if options.xla_gate_cumsum:
         dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
