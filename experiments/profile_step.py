@@ -309,6 +309,7 @@ def _union_ns(intervals) -> float:
 def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: int = 40) -> dict:
     """Per-op table, device-busy vs step wall time and groupings from `read_trace`'s output.
 
+    `ops` holds every distinct (kernel, HLO op), longest first; `top` is how many the markdown shows.
     Only op events inside the step windows count (all of them when the trace has no step events). Times
     are per step (ms): self time (`self_times`) summed over the traced steps / number of steps; `share` =
     of the step wall time; device busy = union of the op intervals.
@@ -373,7 +374,7 @@ def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: in
     mapped = sum(r["ms_per_step"] for r in table if r["kind"])
     return {"op_source": trace["op_source"], "steps": n_steps, "ops_windowed_to_steps": windowed, "step_wall_ms": wall_ms, "device_busy_ms": busy_ms,
             "op_time_ms": op_ms, "idle_ms": wall_ms - busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms else 0.0,
-            "op_events_per_step": len(ops) / n_steps, "hlo_mapped_ms": mapped, "ops": table[:top],
+            "op_events_per_step": len(ops) / n_steps, "hlo_mapped_ms": mapped, "ops": table, "top": top,
             "num_distinct_ops": len(table), "by_kind": group("kind") if hlo else [],
             "by_component": group("component") if hlo else [], "by_phase": group("phase") if hlo else [],
             "by_source": group("source")[:25] if hlo else [], "by_module": group("module"),
@@ -546,10 +547,11 @@ def render(result: dict) -> str:
         lines += ["", f"## {title}", "", f"| {key} | ms/step | ops/step | share |", "|---|---|---|---|"]
         lines += [f"| `{r[key]}` | {_ms(r['ms_per_step'])} | {r['count_per_step']:.0f} | {r['share_of_step']:.1%} |"
                   for r in rows]
-    lines += ["", f"## Top {len(p['ops'])} ops", "",
+    top_ops = p["ops"][:p.get("top", 40)]
+    lines += ["", f"## Top {len(top_ops)} of {p['num_distinct_ops']} ops (all of them in the .json)", "",
               "| # | kernel / op | HLO op | kind | phase | component | source | ms/step | count/step | share |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(p["ops"], 1):
+    for i, r in enumerate(top_ops, 1):
         kernel = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
         lines.append(f"| {i} | `{kernel}` | `{r['hlo_op']}` | {r['kind']} | {r['phase']} | {r['component']} | "
                      f"{r['source']} | {_ms(r['ms_per_step'])} | {r['count_per_step']:.0f} | {r['share_of_step']:.1%} |")

@@ -86,3 +86,74 @@ def test_import_defines_no_flags():
     code = ("from absl import flags\nimport experiments.profile_step\n"
             "assert not {'out', 'trace_dir', 'steps', 'hlo'} & set(flags.FLAGS), 'flags at import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_GPU_XSPACE = """
+planes {
+  id: 1 name: "/host:CPU"
+  lines { id: 1 name: "main" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 10000000 }
+    events { metadata_id: 1 offset_ps: 20000000 duration_ps: 10000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "train" } }
+}
+planes {
+  id: 2 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Kernel)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 1000000 duration_ps: 4000000 stats { metadata_id: 1 str_value: "fusion.1" } }
+    events { metadata_id: 2 offset_ps: 3000000 duration_ps: 4000000 stats { metadata_id: 1 str_value: "custom-call.3" } }
+    events { metadata_id: 3 offset_ps: 21000000 duration_ps: 1000000 }
+    events { metadata_id: 1 offset_ps: 50000000 duration_ps: 2000000 stats { metadata_id: 1 str_value: "fusion.1" } }
+  }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 1000000 duration_ps: 4000000 stats { metadata_id: 1 str_value: "fusion.1" } }
+  }
+  event_metadata { key: 1 value { id: 1 name: "loop_exponential_fusion" } }
+  event_metadata { key: 2 value { id: 2 name: "sm90_xmma_gemm_bf16" } }
+  event_metadata { key: 3 value { id: 3 name: "input_reduce_fusion_2" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } }
+}
+"""
+
+_HLO = """HloModule jit_f, is_scheduled=true
+
+%fused_computation.1 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %exponential.0 = f32[4]{0} exponential(%param_0), metadata={op_name="jit(f)/transpose(jvp())/exp"}
+}
+
+%fused_computation.2 (param_0.1: f32[4]) -> f32[] {
+  %param_0.1 = f32[4]{0} parameter(0)
+  %constant.0 = f32[] constant(0)
+  ROOT %reduce.0 = f32[] reduce(%param_0.1, %constant.0), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main.9 (a: f32[4], b: bf16[8,8]) -> f32[] {
+  %a = f32[4]{0} parameter(0)
+  %b = bf16[8,8]{1,0} parameter(1)
+  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(f)/transpose(jvp())/exp"}
+  %custom-call.3 = bf16[8,8]{1,0} custom-call(%b, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/jvp()/dot_general"}
+  ROOT %input_reduce_fusion.2 = f32[] fusion(%fusion.1), kind=kInput, calls=%fused_computation.2, metadata={op_name="jit(f)/jvp()/reduce_sum"}
+}
+"""
+
+
+def test_gpu_trace_kernels_on_streams_inside_steps_mapped_to_hlo(tmp_path):
+    """A GPU-shaped XSpace: kernels on a stream line count, the derived "XLA Ops" line does not, a kernel
+    after the last step is outside the window, and a kernel without an hlo_op stat maps by its name."""
+    path = tmp_path / "gpu.xplane.pb"
+    path.write_bytes(jax.profiler.ProfileData.text_proto_to_serialized_xspace(_GPU_XSPACE))
+    p = profile_step.parse_trace(str(path), hlo_text=_HLO)
+    assert p["op_source"] == "device planes" and p["steps"] == 2 and p["ops_windowed_to_steps"]
+    rows = {r["kernel"]: r for r in p["ops"]}
+    assert set(rows) == {"loop_exponential_fusion", "sm90_xmma_gemm_bf16", "input_reduce_fusion_2"}
+    assert rows["loop_exponential_fusion"]["count_per_step"] == 0.5  # the one at 50 us is after the steps
+    assert rows["loop_exponential_fusion"]["ms_per_step"] == 0.002  # 4 us over 2 steps
+    assert (rows["loop_exponential_fusion"]["kind"], rows["loop_exponential_fusion"]["phase"]) == ("elementwise",
+                                                                                                    "backward")
+    assert rows["sm90_xmma_gemm_bf16"]["kind"] == "custom-call:__cublas$gemm"
+    assert rows["sm90_xmma_gemm_bf16"]["phase"] == "forward"
+    assert rows["input_reduce_fusion_2"]["kind"] == "reduce"
+    assert p["step_wall_ms"] == 0.01  # two 10 us steps, per step
+    assert abs(p["device_busy_ms"] - 0.0035) < 1e-12  # [1, 7) us and [21, 22) us, union over 2 steps
+    assert abs(p["op_time_ms"] - 0.0045) < 1e-12
