@@ -80,18 +80,10 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, chunk_size: int, block_v: int, int
     C = chunk_size
     NT = T // C
     BV = block_v
-    per_segment = dht.ndim == 5
-    dht = dht if per_segment else dht[:, :, None]
-    NS = dht.shape[2]
-    Ls = NT // NS
-    L = Ls * C
-    fk = pl.BlockSpec((None, None, L, K), lambda b, hh, iv, s: (b, hh, s, 0))
-    fv = pl.BlockSpec((None, None, L, BV), lambda b, hh, iv, s: (b, hh, s, iv))
+    lay = cm.serial_layout(dht, T, K, C, BV)
+    dht, per_segment, NS, L = lay.state, lay.per_segment, lay.num_segments, lay.chunks_per_segment * C
+    fk, fv, fa, fg, fs, fh = lay.k, lay.v, lay.a, lay.g, lay.s, lay.h
     fo = pl.BlockSpec((None, L, None, BV), lambda b, hh, iv, s: (b, s, hh, iv))
-    fa = pl.BlockSpec((None, None, L, C), lambda b, hh, iv, s: (b, hh, s, 0))
-    fg = pl.BlockSpec((None, None, Ls, K), lambda b, hh, iv, s: (b, hh, s, 0))
-    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, hh, iv, s: (b, hh, s, iv, 0))
-    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, hh, iv, s: (b, hh, s, iv, 0))
     du, dh, dh0 = pl.pallas_call(
         functools.partial(_state_bwd_kernel, chunk_size=C, precision=precision),
         grid=(B, H, V // BV, NS),

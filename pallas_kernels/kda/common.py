@@ -21,6 +21,8 @@ that dot are discarded by a select).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -235,6 +237,46 @@ class Segments:
         last = jnp.max(r, axis=0, keepdims=True)                 # [1, 1]
         self.in_last = r == last
         self.carry = last == 0
+
+
+class SerialLayout(NamedTuple):
+    """Grid geometry and BlockSpecs of a serial state pass over (B, H, V/BV, segment) programs.
+
+    ``state``: the state entering (forward) or the gradient leaving (reverse) each segment,
+    ``[B, H, NS, V, K]`` (NS = 1 when the caller passed ``[B, H, V, K]``: ``per_segment`` False).
+    Each program walks ``Ls`` chunks (``L = Ls·C`` tokens) of one segment. Specs (head-major
+    ``[B, H, T, .]`` factors): ``k`` ``[L, K]``, ``v`` ``[L, BV]``, ``a`` ``[L, C]``, ``g`` ``[Ls, K]``
+    (one row per chunk), ``s`` the segment's ``[BV, K]`` state, ``h`` the ``[Ls, BV, K]`` per-chunk states.
+    """
+
+    state: object
+    per_segment: bool
+    num_segments: int
+    chunks_per_segment: int
+    k: object
+    v: object
+    a: object
+    g: object
+    s: object
+    h: object
+
+
+def serial_layout(state, T: int, K: int, chunk_size: int, block_v: int) -> SerialLayout:
+    """The :class:`SerialLayout` of a serial pass over ``T`` tokens (a multiple of ``chunk_size``)."""
+    per_segment = state.ndim == 5
+    state = state if per_segment else state[:, :, None]
+    NS = state.shape[2]
+    Ls = T // chunk_size // NS
+    L, C, BV = Ls * chunk_size, chunk_size, block_v
+    return SerialLayout(
+        state=state, per_segment=per_segment, num_segments=NS, chunks_per_segment=Ls,
+        k=pl.BlockSpec((None, None, L, K), lambda b, h, iv, s: (b, h, s, 0)),
+        v=pl.BlockSpec((None, None, L, BV), lambda b, h, iv, s: (b, h, s, iv)),
+        a=pl.BlockSpec((None, None, L, C), lambda b, h, iv, s: (b, h, s, 0)),
+        g=pl.BlockSpec((None, None, Ls, K), lambda b, h, iv, s: (b, h, s, 0)),
+        s=pl.BlockSpec((None, None, None, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0)),
+        h=pl.BlockSpec((None, None, Ls, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0)),
+    )
 
 
 def segments_of(seg_ref):

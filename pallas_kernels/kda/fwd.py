@@ -292,17 +292,9 @@ def state_fwd(qg, kd, w, u, aqk, gl, h0, *, chunk_size: int, block_v: int, out_d
     C = chunk_size
     NT = T // C
     BV = block_v
-    per_segment = h0.ndim == 5
-    h0 = h0 if per_segment else h0[:, :, None]
-    NS = h0.shape[2]
-    Ls = NT // NS
-    L = Ls * C
-    fk = pl.BlockSpec((None, None, L, K), lambda b, h, iv, s: (b, h, s, 0))
-    fv = pl.BlockSpec((None, None, L, BV), lambda b, h, iv, s: (b, h, s, iv))
-    fa = pl.BlockSpec((None, None, L, C), lambda b, h, iv, s: (b, h, s, 0))
-    fg = pl.BlockSpec((None, None, Ls, K), lambda b, h, iv, s: (b, h, s, 0))
-    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
-    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    lay = cm.serial_layout(h0, T, K, C, BV)
+    h0, per_segment, NS, L = lay.state, lay.per_segment, lay.num_segments, lay.chunks_per_segment * C
+    fk, fv, fa, fg, fs, fh = lay.k, lay.v, lay.a, lay.g, lay.s, lay.h
     fo = pl.BlockSpec((None, L, None, BV), lambda b, h, iv, s: (b, s, h, iv))
     out_specs = [fo, fh, fs] if save_states else [fo, fs]
     out_shape = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
@@ -357,16 +349,9 @@ def state_fwd_vp(kd, w, u, gl, h0, *, chunk_size: int, block_v: int, interpret: 
     C = chunk_size
     NT = T // C
     BV = block_v
-    per_segment = h0.ndim == 5
-    h0 = h0 if per_segment else h0[:, :, None]
-    NS = h0.shape[2]
-    Ls = NT // NS
-    L = Ls * C
-    fk = pl.BlockSpec((None, None, L, K), lambda b, h, iv, s: (b, h, s, 0))
-    fv = pl.BlockSpec((None, None, L, BV), lambda b, h, iv, s: (b, h, s, iv))
-    fg = pl.BlockSpec((None, None, Ls, K), lambda b, h, iv, s: (b, h, s, 0))
-    fs = pl.BlockSpec((None, None, None, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
-    fh = pl.BlockSpec((None, None, Ls, BV, K), lambda b, h, iv, s: (b, h, s, iv, 0))
+    lay = cm.serial_layout(h0, T, K, C, BV)
+    h0, per_segment, NS = lay.state, lay.per_segment, lay.num_segments
+    fk, fv, fg, fs, fh = lay.k, lay.v, lay.g, lay.s, lay.h
     vp, h, ht = pl.pallas_call(
         functools.partial(_state_vp_kernel, chunk_size=C, precision=precision),
         grid=(B, H, V // BV, NS),
