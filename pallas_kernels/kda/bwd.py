@@ -459,13 +459,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
-    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
-    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
-    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
-    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
-    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
+    sp = cm.chunk_specs(C, K, V)
+    ik, iv, ib, tv, ts, tk, ta = sp.ik, sp.iv, sp.ib, sp.tv, sp.ts, sp.tk, sp.ta
     segmented = segments is not None
     if segmented and "compute" in ablate:
         raise ValueError(f"{_ablate=}: the 'compute' ablation does not take segments")
@@ -506,14 +501,8 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
-    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
-    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
-    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    ts = pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0))
-    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
-    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    sp = cm.chunk_specs(C, K, V)
+    ik, iv, ib, tv, ts, tk, ta, tg = sp.ik, sp.iv, sp.ib, sp.tv, sp.ts, sp.tk, sp.ta, sp.tg
     params = _params or cm.INTRA_PARAMS
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
                        else set()) | ({"gate_cumsum"} if gate_cumsum else set())

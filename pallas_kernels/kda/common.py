@@ -239,6 +239,36 @@ class Segments:
         self.carry = last == 0
 
 
+class ChunkSpecs(NamedTuple):
+    """BlockSpecs of one 64-token chunk for a (batch, head, chunk) grid: the user's token-major
+    ``[B, T, H, .]`` inputs (``ik`` K-wide, ``iv`` V-wide, ``ib`` beta ``[B, T, H]``) and the head-major
+    ``[B, H, T, .]`` factors (``tk``, ``tv``, ``ta`` ``[C, C]``), ``tg`` one ``[K]`` row per chunk of
+    ``[B, H, NT, K]``, ``ts`` one ``[V, K]`` state per chunk of ``[B, H, NT, V, K]``."""
+
+    ik: object
+    iv: object
+    ib: object
+    tk: object
+    tv: object
+    ta: object
+    tg: object
+    ts: object
+
+
+def chunk_specs(C: int, K: int, V: int) -> ChunkSpecs:
+    """The :class:`ChunkSpecs` for chunk size ``C`` and head dims ``K``, ``V``."""
+    return ChunkSpecs(
+        ik=pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0)),
+        iv=pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0)),
+        ib=pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h)),
+        tk=pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0)),
+        tv=pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0)),
+        ta=pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0)),
+        tg=pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0)),
+        ts=pl.BlockSpec((None, None, None, V, K), lambda b, h, c: (b, h, c, 0, 0)),
+    )
+
+
 class SerialLayout(NamedTuple):
     """Grid geometry and BlockSpecs of a serial state pass over (B, H, V/BV, segment) programs.
 

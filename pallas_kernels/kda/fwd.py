@@ -123,13 +123,8 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
-    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
-    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
-    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
-    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    sp = cm.chunk_specs(C, K, V)
+    ik, iv, ib, tk, tv, ta, tg = sp.ik, sp.iv, sp.ib, sp.tk, sp.tv, sp.ta, sp.tg
     fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
     out_shape = [jax.ShapeDtypeStruct((B, H, T, K), fd[0]), jax.ShapeDtypeStruct((B, H, T, K), fd[1]),
                  jax.ShapeDtypeStruct((B, H, T, K), fd[2]), jax.ShapeDtypeStruct((B, H, T, V), fd[3]),
@@ -201,13 +196,8 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    ik = pl.BlockSpec((None, C, None, K), lambda b, h, c: (b, c, h, 0))
-    iv = pl.BlockSpec((None, C, None, V), lambda b, h, c: (b, c, h, 0))
-    ib = pl.BlockSpec((None, C, None), lambda b, h, c: (b, c, h))
-    tk = pl.BlockSpec((None, None, C, K), lambda b, h, c: (b, h, c, 0))
-    tv = pl.BlockSpec((None, None, C, V), lambda b, h, c: (b, h, c, 0))
-    ta = pl.BlockSpec((None, None, C, C), lambda b, h, c: (b, h, c, 0))
-    tg = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    sp = cm.chunk_specs(C, K, V)
+    ik, iv, ib, tk, tv, ta, tg = sp.ik, sp.iv, sp.ib, sp.tk, sp.tv, sp.ta, sp.tg
     fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
     segmented = segments is not None
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
