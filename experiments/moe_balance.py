@@ -93,7 +93,7 @@ def _define_flags():
     """Command-line flags, defined only when run as a script (importing this module from a test next to
     other experiment modules then defines no absl flags that could collide, e.g. --seeds, --out)."""
     global _CONFIG, _METHODS, _SEEDS, _STEPS, _EXPERTS, _TOP_K, _WARMUP, _ROOT, _OUT, _ORDER, _BUDGET, _MERGE, _NAME
-    global _CACHE_DIR
+    global _CACHE_DIR, _MERGE_LATER_WINS
     _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Base run config.")
     _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to run (keys of METHODS).")
     _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
@@ -110,6 +110,8 @@ def _define_flags():
                                  "seconds of wall clock since start (0 = no budget).")
     _MERGE = flags.DEFINE_list("merge", [], "Result JSONs of separate processes: write ONE merged json/md/png "
                                "to <out>/<name>.* and train nothing.")
+    _MERGE_LATER_WINS = flags.DEFINE_bool("merge_later_wins", False, "With --merge: a (method, seed) in "
+                                          "several files keeps the last file's row (a re-run) instead of raising.")
     _NAME = flags.DEFINE_string("name", "", "Output file stem under --out ('' = moe_balance_<date>).")
     _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "/tmp/k3jax_jax_cache",
                                      "JAX persistent compilation cache ('' = off).")
@@ -227,20 +229,22 @@ def _process_line(p: dict) -> str:
             f"{p.get('elapsed_s', float('nan')):.0f} s elapsed, grouped matmul {p.get('grouped_matmul', '?')}")
 
 
-def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
+def merge_results(paths: list[str], later_wins: bool = False) -> tuple[dict[str, list[dict]], dict]:
     """One (results, meta) from result JSONs written by separate processes of this script.
 
     Rows are concatenated per method (methods in first-seen order, each method's rows sorted by seed);
     meta is the first file's, with `device` = the distinct devices joined by " + ", `seeds` = the union,
     `skipped` = the union minus the (method, seed) pairs some file ran, `elapsed_s` = the longest
     process, `processes` = one entry per file (file, device, CUDA_VISIBLE_DEVICES, pid, methods,
-    elapsed, grouped matmul) and `merged_from` = `paths`.
+    elapsed, grouped matmul) and `merged_from` = `paths`. With `later_wins`, a (method, seed) run by
+    several files keeps the LAST file's row (a re-run, e.g. after a fix) and `meta["replaced"]` lists
+    [method, seed, the file whose row won].
 
     Raises:
       ValueError: fewer than 2 paths; a file without "meta"/"results"; files that disagree on
         steps, num_experts, top_k, warmup_frac, jax version or the base run config (--config and its
         overrides: the model, data and training the methods are compared on); a (method, seed) present
-        in two files.
+        in two files (unless `later_wins`).
     """
     if len(paths) < 2:
         raise ValueError(f"merge needs at least 2 result files; got {paths=}")
@@ -263,11 +267,15 @@ def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
     results: dict[str, list[dict]] = {}
     ran: set[tuple[str, int]] = set()
     processes, skipped, devices = [], [], []
+    replaced = []
     for path, m, res in loaded:
         for method, runs in res.items():
             for r in runs:
                 if (method, r["seed"]) in ran:
-                    raise ValueError(f"{path=}: {method} seed {r['seed']} is also in another file")
+                    if not later_wins:
+                        raise ValueError(f"{path=}: {method} seed {r['seed']} is also in another file")
+                    results[method] = [x for x in results[method] if x["seed"] != r["seed"]]
+                    replaced.append([method, r["seed"], path])
                 ran.add((method, r["seed"]))
                 results.setdefault(method, []).append(r)
         skipped += [tuple(x) for x in m.get("skipped", [])]
@@ -285,6 +293,8 @@ def merge_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
                 skipped=[list(x) for x in dict.fromkeys(skipped) if (x[0], x[1]) not in ran],
                 elapsed_s=max(m.get("elapsed_s", 0.0) for _, m, _ in loaded),
                 grouped_matmul=" + ".join(dict.fromkeys(str(m.get("grouped_matmul")) for _, m, _ in loaded)))
+    if replaced:
+        meta["replaced"] = replaced
     return results, meta
 
 
@@ -347,7 +357,7 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     if _MERGE.value:
-        results, meta = merge_results(list(_MERGE.value))
+        results, meta = merge_results(list(_MERGE.value), later_wins=_MERGE_LATER_WINS.value)
         os.makedirs(_OUT.value, exist_ok=True)
         stem = os.path.join(_OUT.value, _NAME.value or f"moe_balance_{meta['date']}")
         if any(os.path.abspath(stem + ".json") == os.path.abspath(p) for p in _MERGE.value):

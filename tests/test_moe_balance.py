@@ -119,6 +119,10 @@ def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
     moe_balance.write_results({"none": [_row(0, 3.1)]}, _meta("d", "1", ["none"], [], 1.0), b)
     with pytest.raises(ValueError, match="none seed 0"):
         moe_balance.merge_results([a + ".json", b + ".json"])
+    # a re-run (e.g. after a fix) replaces the earlier row only when asked
+    results, meta = moe_balance.merge_results([a + ".json", b + ".json"], later_wins=True)
+    assert [r["val_loss"] for r in results["none"]] == [3.1]
+    assert meta["replaced"] == [["none", 0, b + ".json"]]
     other = _meta("d", "1", ["aux_loss"], [], 1.0)
     other["steps"] = 3
     moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, other, b)
