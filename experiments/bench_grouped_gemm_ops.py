@@ -68,6 +68,7 @@ def _define_flags():
 
 
 GROUPINGS = ("balanced", "skewed")
+VERSIONED = ("jax", "jaxlib", "jax-linear-attention", "torch", "triton")  # recorded with the results
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
 # jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first); the same tuple
 # as k3jax.ops.dispatch.JLA_TILE_CONFIGS (a test checks), spelt out so JAX is imported only after torch ran.
@@ -182,15 +183,6 @@ def _write(results: dict, markdown: bool = False) -> None:
             f.write(render_markdown(results))
 
 
-def _versions() -> dict:
-    import importlib.metadata as md
-    out = {}
-    for name in ("jax", "jaxlib", "jax-linear-attention", "torch", "triton"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 TORCH_SCRIPT = r"""
@@ -412,7 +404,9 @@ def main(argv):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     m, e = FLAGS.m, FLAGS.experts
     groups = {kind: group_sizes(m, e, kind) for kind in GROUPINGS}
-    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": _versions(),
+    from experiments.runtime import package_versions  # noqa: PLC0415 -- JAX is imported after torch ran
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "versions": package_versions(VERSIONED),
                "shape": dict(M=m, K=FLAGS.k, N=FLAGS.n, experts=e),
                "timing": dict(iters=FLAGS.iters, inner=FLAGS.inner),
                "group_sizes": {g: v.tolist() for g, v in groups.items()},

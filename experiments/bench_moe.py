@@ -27,7 +27,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.runtime import median_ms
+from experiments.runtime import median_ms, package_versions
+
+VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention", "torch")  # recorded with the results
 
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_gemm", "Output path prefix (.json, .md).")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed runs per GEMM measurement (median reported).")
@@ -113,15 +115,6 @@ def _write(results):
         f.write("\n".join(lines) + "\n")
 
 
-def _versions():
-    import importlib.metadata as md
-    out = {}
-    for name in ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention", "torch"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def _gemm_rows(results, lhs, rhs, groups):
@@ -236,7 +229,7 @@ def main(argv):
     flops = 2 * m * k * n
     dense = median_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0], iters=_ITERS.value)
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": jax.devices()[0].device_kind,
-               "versions": _versions(), "shape": dict(M=m, K=k, N=n, experts=e),
+               "versions": package_versions(VERSIONED), "shape": dict(M=m, K=k, N=n, experts=e),
                "skew_max_over_mean": float(groups["skewed"].max() / groups["skewed"].mean()),
                "dense_matmul_ms": dense, "dense_tflops": flops / dense / 1e9, "rows": [], "layer": []}
     print(f"dense {m}x{k}x{n}: {dense:.3f} ms ({flops / dense / 1e9:.3g} TFLOP/s)", flush=True)

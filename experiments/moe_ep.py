@@ -21,7 +21,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.runtime import median_ms
+from experiments.runtime import median_ms, package_versions
+
+VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention")  # recorded with the results
 
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_ep", "Output path prefix (.json, .md).")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per call (batch x T).")
@@ -43,15 +45,6 @@ def _rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / denom) if denom > 0 else float(np.abs(a - b).max())
 
 
-def _versions():
-    import importlib.metadata as md
-    out = {}
-    for name in ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def main(argv):
@@ -124,7 +117,7 @@ def main(argv):
     ms_n = median_ms(step_ep, params_ep, x_ep, iters=_ITERS.value)
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": devices[0].device_kind,
-        "num_devices": n_dev, "mesh": dict(mesh.shape), "versions": _versions(),
+        "num_devices": n_dev, "mesh": dict(mesh.shape), "versions": package_versions(VERSIONED),
         "shape": dict(batch=batch, seq=seq, tokens=tokens, d_model=d, d_ff=f, experts=e, top_k=k),
         "balancing": _BALANCING.value, "grouped_matmul": resolved, "tol": _TOL.value, "errors": errors,
         "max_error": max(errors.values()),

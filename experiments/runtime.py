@@ -108,3 +108,16 @@ def grouped_matmul_in_use() -> str:
               "jax-linear-attention for the library kernel); MoE tokens/s will be far below the kernel's",
               flush=True)
     return name
+
+
+def package_versions(names) -> dict[str, str]:
+    """Installed versions of the distributions ``names`` (pip names, e.g. "jax-linear-attention");
+    those not installed are left out (a benchmark records what ran, not what could have)."""
+    import importlib.metadata as md  # noqa: PLC0415
+    out = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out

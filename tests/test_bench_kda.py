@@ -41,3 +41,10 @@ def test_experiment_modules_the_tests_import_coexist_in_one_process():
     code = "import importlib\n" + "".join(f"importlib.import_module('experiments.{m}')\n" for m in mods)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]
+
+
+def test_package_versions_records_installed_distributions_only():
+    from experiments.runtime import package_versions  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    assert package_versions(("jax", "no-such-distribution-k3jax")) == {"jax": jax.__version__}
