@@ -43,17 +43,15 @@ train step (`nnx.jit`) keys its cache on the graph definition of (model, optimiz
 across seeds for the model but was not for the optimizer, whose static `tx` is a fresh optax object
 (closures compare by identity) per `make_optimizer` call, so every run re-traced the step and only a
 persistent-cache hit on a bit-identical HLO could save the compile (on CPU it did; the H200 run never
-reached a seed 1). `shared_optimizer_transforms()` hands every run with the same `TrainConfig` the same
-optax object. Each row records compile requests, persistent-cache hits and backend compile seconds.
+reached a seed 1). `k3jax.train.optimizer.make_optimizer` is now cached on the frozen `TrainConfig`, so
+every run with the same TrainConfig gets the same optax object. Each row records compile requests, persistent-cache hits and backend compile seconds.
 `--time_budget_s` stops starting new runs once the elapsed time plus the expected length of the next
 run (the last run of that method minus its compile seconds, or the slowest first run so far) would
 pass the budget.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
 import json
 import os
 import platform
@@ -68,7 +66,6 @@ from experiments.runtime import CompileCounter, enable_compilation_cache, groupe
 import k3jax.train.trainer as trainer_lib
 from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
-from k3jax.train.optimizer import make_optimizer
 
 METHODS: dict[str, dict] = {
     "none": {"moe_balancing": "none"},
@@ -162,26 +159,6 @@ def run_config(base: dict, method: str, seed: int, *, num_experts: int, top_k: i
     d["seed"] = seed
     d["workdir"] = os.path.join(workdir_root, method, f"seed{seed}")
     return run_config_from_dict(d)
-
-
-_cached_make_optimizer = functools.cache(make_optimizer)
-
-
-@contextlib.contextmanager
-def shared_optimizer_transforms():
-    """Within the block, `k3jax.train.trainer.train` builds its optax transformation with a cached
-    `make_optimizer` (keyed on the frozen `TrainConfig`), so runs that differ only in seed get the SAME
-    optax object, hence equal `nnx.Optimizer` graph definitions, and `nnx.jit(train_step)` reuses the
-    executable traced and compiled for the first seed (no re-trace, no compile request). Sharing the
-    object is safe: an optax transformation is a pair of pure functions; its state lives in the
-    optimizer. The cache is module-wide (it outlives the block); the trainer's `make_optimizer` is
-    restored on exit."""
-    original = trainer_lib.make_optimizer
-    trainer_lib.make_optimizer = _cached_make_optimizer
-    try:
-        yield
-    finally:
-        trainer_lib.make_optimizer = original
 
 
 def _layer_mean(row: dict, stat: str) -> float | None:
@@ -404,8 +381,7 @@ def main(argv):
                          workdir_root=_ROOT.value)
         counter.reset()
         t_run = time.time()
-        with shared_optimizer_transforms():
-            summary = trainer_lib.train(cfg, show_progress=False)
+        summary = trainer_lib.train(cfg, show_progress=False)
         wall = time.time() - t_run
         walls.setdefault(method, []).append(wall)
         res = _summarise(cfg.workdir, summary)

@@ -1,6 +1,8 @@
 """AdamW with linear warmup + cosine decay, global-norm clipping and a non-finite-update guard (optax)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 
@@ -19,11 +21,18 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+@functools.cache
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """The training optimizer.
 
     `optax.apply_if_finite` skips any update whose gradients contain inf/NaN and counts consecutive
     skips in its state (`notfinite_count`); the trainer stops after `max_nonfinite_steps` in a row.
+
+    Cached on the frozen `cfg`: runs with equal TrainConfigs (e.g. seeds of one experiment in one
+    process) get the SAME optax object, so their `nnx.Optimizer` graph definitions are equal and
+    `nnx.jit(train_step)` reuses the executable of the first run instead of re-tracing and compiling
+    (optax objects compare equal only to themselves). Sharing is safe: a transformation is a pair of
+    pure functions; its state lives in the optimizer.
     """
     inner = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
