@@ -24,6 +24,12 @@ dots) for bf16 inputs. The off-diagonal score tiles (exponents <= 0), dX, dY, dA
 `common.mm_precision`: HIGHEST for fp32 inputs, default (TF32 on GPU) for bf16 inputs. With
 ops.KernelOptions.compact_offdiag_bwd the same sums run row block by row block on ref slices
 (_intra_bwd_b_compact_kernel), the column side anchored at the end of each column block.
+Unbounded gates (`unbounded=True`, no lower_bound) run only in that compact kernel (with the XLA
+gate cumsum): its diagonal tiles use the exact pairwise form (_own_block_bwd, every exp argument
+<= 0); the row-side and column-side dots already have exponents <= 0. The other kernels need no
+bound: the reverse state pass only reads stored factors, and kernel a's (_state_solve_bwd) only
+exps are exp(G), exp(G_last - G), exp(G_last) and Gate.ea = exp(G - anc), all of non-positive
+numbers (it never forms Gate.eb / eb_own).
 """
 from __future__ import annotations
 
@@ -310,6 +316,38 @@ def _pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _own_block_bwd(dm_d, dq_d, k, qs, G, k_row, G_row, first: int):
+    """Exact diagonal-tile score backward of one 16-row block, for unbounded gates.
+
+    dm_d, dq_d: the block's [16, 16] tiles of dM (strictly lower) and dAqk (lower incl. the
+    diagonal), zero above the diagonal; k, qs = scale q, G: the block's rows [16, K] fp32;
+    k_row(j), G_row(j): row j [1, K] fp32 of k and G loaded from refs; first: the block's first row.
+    Returns (pm, pq, sb), each [16, K] fp32, with e_ij = exp(min(G_i - G_j, 0)) (= e^{G_i - G_j}
+    for j <= i; the min only guards the zero coefficients above the diagonal, so every exp
+    argument is <= 0 and no g <= 0 overflows):
+      pm_i = sum_j dM_ij k_j e_ij,  pq_i = sum_j dAqk_ij k_j e_ij   (gradient of the a side),
+      sb_j = sum_i (dM_ij k_i + dAqk_ij qs_i) e_ij                 (gradient of the b side),
+    so that dq += scale pq, dk += pm + sb, dG += k pm + qs pq - k sb (the own-anchor terms of
+    _score_bwd without the anchor). One fori_loop step per column j: an exp, the tile's column j by
+    a masked reduction and ~10 elementwise [16, K] ops, fp32 (CUDA cores, no dot).
+    """
+    n = dm_d.shape[0]
+    _, tc = cm.iotas(n, n)
+    rvec = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+
+    def step(d, carry):
+        pm, pq, sb = carry
+        e = jnp.exp(jnp.minimum(G - G_row(first + d), 0.0))            # [16, K]: e_{i, j}
+        cm_d = jnp.sum(jnp.where(tc == d, dm_d, 0.0), axis=1, keepdims=True)   # dM[:, j]
+        cq_d = jnp.sum(jnp.where(tc == d, dq_d, 0.0), axis=1, keepdims=True)   # dAqk[:, j]
+        ke = k_row(first + d) * e
+        s = jnp.sum((cm_d * k + cq_d * qs) * e, axis=0, keepdims=True)         # [1, K]: sb_j
+        return pm + cm_d * ke, pq + cq_d * ke, jnp.where(rvec == d, s, sb)
+
+    zero = jnp.zeros_like(k)
+    return lax.fori_loop(0, n, step, (zero, zero, zero))
+
+
 def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref,
                                 daqk_ref, dq_ref, dk_ref, dg_ref, *, scale, dtype,
                                 flags=frozenset()):
@@ -328,12 +366,16 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
     to rounding. G_ref holds the chunk cumsum G (fp32; XLA's with gate_cumsum, else kernel a's).
     dq, dk, dg are stored per row block; the reverse cumsum of dG (without gate_cumsum) runs from
     the last block to the first with the running total of the later blocks.
+    flags "unbounded" (no lower_bound): the diagonal tile is _own_block_bwd's exact elementwise form
+    instead of the 4 own-anchor dots (whose e^{anc_r - G} overflows); the row side and the column
+    side are unchanged (their exponents are <= 0 for any g <= 0).
     """
     C, K = k_ref.shape
     BT = cm.BT
     ns = C // BT
     p, exact = _precisions(dtype, flags)
     gate_cumsum = "gate_cumsum" in flags
+    unbounded = "unbounded" in flags
     dgl = dgl_ref[...].reshape(1, K)
     zero_row = jnp.zeros((1, K), F32)
 
@@ -349,12 +391,19 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
         q = q_ref[rows, :].astype(F32)
         ea = jnp.exp(G - anc)                      # <= 1
         kt, qt = k * ea, scale * q * ea
-        ebd = jnp.exp(anc - G)                     # <= e^{16|lb|}
-        kbd = k * ebd
-        dm_d, dq_d = dm_ref[rows, rows], daqk_ref[rows, rows]
-        sa_m = cm.dot(dm_d, kbd, exact)
-        sa_q = cm.dot(dq_d, kbd, exact)
-        sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
+        if unbounded:                              # exact diagonal tile; row side below (if any)
+            dm_d, dq_d = dm_ref[rows, rows], daqk_ref[rows, rows]
+            pm, pq, sb = _own_block_bwd(dm_d, dq_d, k, scale * q, G,
+                                        lambda j: k_ref[pl.ds(j, 1), :].astype(F32),
+                                        lambda j: G_ref[pl.ds(j, 1), :].astype(F32), r * BT)
+            sa_m = sa_q = None
+        else:
+            ebd = jnp.exp(anc - G)                 # <= e^{16|lb|}
+            kbd = k * ebd
+            dm_d, dq_d = dm_ref[rows, rows], daqk_ref[rows, rows]
+            sa_m = cm.dot(dm_d, kbd, exact)
+            sa_q = cm.dot(dq_d, kbd, exact)
+            sb = ebd * (cm.dot_tn(dm_d, kt, exact) + cm.dot_tn(dq_d, qt, exact))
         if r > 0:                                  # row side: columns j < 16 r, anchor anc_r
             n = BT * _pow2_at_least(r)
             cols = pl.ds(0, n)
@@ -365,8 +414,12 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
             else:
                 before = lax.broadcasted_iota(jnp.int32, (n, 1), 0) < r * BT
                 kb = jnp.where(before, kc * jnp.exp(jnp.where(before, anc - Gc, 0.0)), 0.0)
-            sa_m = sa_m + cm.dot(dm_ref[rows, cols], kb, p)
-            sa_q = sa_q + cm.dot(daqk_ref[rows, cols], kb, p)
+            if unbounded:
+                sa_m = cm.dot(dm_ref[rows, cols], kb, p)
+                sa_q = cm.dot(daqk_ref[rows, cols], kb, p)
+            else:
+                sa_m = sa_m + cm.dot(dm_ref[rows, cols], kb, p)
+                sa_q = sa_q + cm.dot(daqk_ref[rows, cols], kb, p)
         if r < ns - 1:                             # column side: rows of the later blocks
             anc1 = G_row(r * BT + BT - 1)
             n = BT * _pow2_at_least(ns - 1 - r)
@@ -383,9 +436,18 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
                 ka, qa = jnp.where(after, ka * e, 0.0), jnp.where(after, qa * e, 0.0)
             sb = sb + jnp.exp(anc1 - G) * (cm.dot_tn(dm_ref[rr, rows], ka, p)
                                            + cm.dot_tn(daqk_ref[rr, rows], qa, p))
-        dq = dqp_ref[rows, :] + scale * ea * sa_q
-        dk = dkp_ref[rows, :] + ea * sa_m + sb
-        dG = dgp_ref[rows, :] + kt * sa_m + qt * sa_q - k * sb
+        if not unbounded:
+            dq = dqp_ref[rows, :] + scale * ea * sa_q
+            dk = dkp_ref[rows, :] + ea * sa_m + sb
+            dG = dgp_ref[rows, :] + kt * sa_m + qt * sa_q - k * sb
+        elif sa_m is None:                         # block 0: no earlier columns
+            dq = dqp_ref[rows, :] + scale * pq
+            dk = dkp_ref[rows, :] + pm + sb
+            dG = dgp_ref[rows, :] + k * pm + scale * q * pq - k * sb
+        else:
+            dq = dqp_ref[rows, :] + scale * (ea * sa_q + pq)
+            dk = dkp_ref[rows, :] + (ea * sa_m + pm) + sb
+            dG = dgp_ref[rows, :] + (kt * sa_m + k * pm) + (qt * sa_q + scale * q * pq) - k * sb
         if gate_cumsum:
             dg = _last_row_plus(dG, dgl) if r == ns - 1 else dG
         else:
@@ -417,7 +479,7 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
               interpret: bool, split: bool = False, bf16_dots: bool = False,
               gate_cumsum: bool = False, segments=None, compact_offdiag: bool = False,
-              _ablate: tuple[str, ...] = (), _params=None):
+              unbounded: bool = False, _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -440,19 +502,27 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     compact_offdiag: the score-tile backward row block by row block on ref slices, without the
       masked 3/4-zero dots (_intra_bwd_b_compact_kernel; ops.KernelOptions.compact_offdiag_bwd).
       It needs dM, dAqk and G in refs, so it runs the split kernels (implies split=True).
+    unbounded: g has no lower bound (any g <= 0): the compact kernel's diagonal tiles use the exact
+      elementwise form (_own_block_bwd). Needs compact_offdiag=True and gate_cumsum=True (the
+      tested combination); False: the bounded kernels, unchanged.
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
-    Raises: ValueError for an unknown _ablate name, or any _ablate with split / compact_offdiag.
+    Raises: ValueError for an unknown _ablate name, any _ablate with split / compact_offdiag, or
+      unbounded without compact_offdiag and gate_cumsum.
     """
     ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
+    if unbounded and not (compact_offdiag and gate_cumsum):
+        raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
+                         f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
     if split or compact_offdiag:
         if ablate:
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
                                gate_cumsum=gate_cumsum, segments=segments,
-                               compact_offdiag=compact_offdiag, _params=_params)
+                               compact_offdiag=compact_offdiag, unbounded=unbounded,
+                               _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -482,7 +552,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
 
 def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
                     interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
-                    segments=None, compact_offdiag: bool = False, _params=None):
+                    segments=None, compact_offdiag: bool = False, unbounded: bool = False,
+                    _params=None):
     """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
@@ -496,7 +567,13 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     compact_offdiag: kernel b is _intra_bwd_b_compact_kernel (row-block slices of the refs, no
     3/4-zero masked dots); without gate_cumsum kernel a then also writes the chunk cumsum G
     [B, H, T, K] fp32 for it (32 KiB per chunk written and read).
+    unbounded (needs compact_offdiag and gate_cumsum): kernel b's diagonal tiles are exact
+    (_own_block_bwd); kernel a is unchanged (it needs no bound).
+    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum.
     """
+    if unbounded and not (compact_offdiag and gate_cumsum):
+        raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
+                         f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -506,7 +583,8 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
     params = _params or cm.INTRA_PARAMS
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
                        else set()) | ({"gate_cumsum"} if gate_cumsum else set())
-                      | ({"segmented"} if segments is not None else set()))
+                      | ({"segmented"} if segments is not None else set())
+                      | ({"unbounded"} if unbounded else set()))
     write_G = compact_offdiag and not gate_cumsum
     dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk, *G = pl.pallas_call(
         functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),

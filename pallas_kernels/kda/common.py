@@ -18,6 +18,18 @@ g >= lower_bound >= -5. Columns after block r are not needed: their exponent is 
 (a finite, unused value) and the result is masked with a select, never a multiply. One
 [C, K] x [K, C] dot per row block r gives the rows of block r ("row-block GEMM"; the other rows of
 that dot are discarded by a select).
+
+Unbounded gates (no lower_bound; ops.kda_pallas with lower_bound=None): the own-block factor
+exp(anc_r - G_j) is not bounded and overflows (g can be -50 or less per token). The unbounded path
+keeps the row-block GEMMs for the columns of the blocks BEFORE r only (their column operand is zero,
+not inf, on the rows of blocks >= r: `Gate.eb_before`) and computes the own-block (diagonal 16x16
+tile) entries exactly with `own_block_scores`: sum_c a_ic b_jc exp(min(G_ic - G_jc, 0)), elementwise
+[C, K] products reduced over K, one static step per column offset inside the block, inserted with
+selects. Every exp argument on that path is <= 0. The other forward factors need no bound: qg
+(exp(G)), kd (exp(G_last - G)), e^{G_last}, X = beta e^G k and the anchored row factor
+ea = exp(G - anc) all take exp of a non-positive number (G is a running sum of g <= 0, and fp32
+rounding of a sum of non-positive terms never increases it), and the state passes only multiply
+by those stored factors.
 """
 from __future__ import annotations
 
@@ -204,6 +216,14 @@ class Gate:
         """exp(anc_r - G) on rows of blocks <= r, 1 on later rows (unused) [C, K]; <= e^{16|lb|}."""
         return jnp.exp(jnp.where(self.rb <= r, self.anc[r] - self.G, 0.0))
 
+    def eb_before(self, r: int):
+        """exp(anc_r - G) on rows of blocks < r (<= 1: the cumsum never rises, so G_j >= anc_r
+        there) and 0 on rows of blocks >= r [C, K]: the column operand of row block r's GEMM on the
+        unbounded path, zero (not inf) where the own block's factor would overflow. Every exp
+        argument is <= 0."""
+        before = self.rb < r
+        return jnp.where(before, jnp.exp(jnp.where(before, self.anc[r] - self.G, 0.0)), 0.0)
+
 
 def gate_of(g_ref, ablate=frozenset(), gate_cumsum: bool = False) -> Gate:
     """Gate of the chunk in g_ref [C, K]: per-token log-decay g, or with gate_cumsum its chunk-local
@@ -349,20 +369,66 @@ def chunk_cumsum(g, chunk_size: int, reverse: bool = False):
     return lax.cumsum(x, axis=2, reverse=reverse).reshape(B, T, H, K)
 
 
-def anchored_scores(a, b, gate: Gate, *, dtype):
+def anchored_scores(a, b, gate: Gate, *, dtype, own_block: bool = True):
     """S_ij = sum_c a_ic b_jc exp(G_ic - G_jc) for j in blocks <= block(i), as [C, C] fp32.
 
     a, b: [C, K] fp32. Operands are cast to `dtype` (bf16 inputs: bf16 tensor-core dots, fp32
     accumulate); one [C, K] x [K, C] dot per row block. Entries right of the row's block are
     unspecified (finite): the caller masks.
+    own_block=False (unbounded gates): only the columns of the blocks BEFORE the row's block are
+    formed (Gate.eb_before; every exponent <= 0; no dot for block 0, which has no such columns);
+    the entries of the row's own block and right of it are unspecified (finite): the caller
+    overwrites the own block (own_block_scores) and masks.
     """
     at = (a * gate.ea).astype(dtype)
     prec = mm_precision(dtype)
     out = None
-    for r in range(gate.ns):
-        s = dot_nt(at, (b * gate.eb(r)).astype(dtype), prec)
+    for r in range(gate.ns) if own_block else range(1, gate.ns):
+        eb = gate.eb(r) if own_block else gate.eb_before(r)
+        s = dot_nt(at, (b * eb).astype(dtype), prec)
         out = s if out is None else jnp.where(gate.rb == r, s, out)
+    if out is None:                                # own_block=False with a single row block
+        out = jnp.zeros((a.shape[0], b.shape[0]), F32)
     return out
+
+
+def own_block_scores(bases, lhs, gate: Gate, b_row, G_row):
+    """Exact own-block (diagonal 16x16 tile) score entries for unbounded gates.
+
+    For a row i in block r and each column j = 16 r + d of the same block (d = 0 .. 15):
+      S_ij = sum_c a_ic b_jc exp(min(G_ic - G_jc, 0)),
+    the score for j <= i (there G_i - G_j = g_{j+1} + ... + g_i <= 0, also after fp32 rounding of
+    the cumsum, so the min is inactive) and a finite unused value for j > i (exp(0) = 1; the
+    caller masks with a select). Every exp argument is <= 0, so no g <= 0 overflows.
+
+    Args: bases: list of [C, C] fp32 score values (e.g. anchored_scores(..., own_block=False))
+      whose own-block entries are replaced (selects); lhs: list of the matching `a` operands
+      [C, K] fp32; gate: the chunk's Gate (G [C, K], the row-block index); b_row(j), G_row(j):
+      row j of the shared `b` operand and of G as [1, K] fp32, loaded from refs (the Triton
+      lowering cannot slice values; G_row must return exactly gate.G's rows).
+    Returns: the list of [C, C] fp32 values, bases with their own-block entries exact.
+    Work per call, all elementwise fp32 on [C, K] (CUDA cores, no dot): 16 steps (a fori_loop:
+    one traced body, smaller programs than a static unroll) of one exp,
+    2 (ns - 1) gather selects, 3 + 2 len(lhs) arithmetic ops and len(lhs) row reductions.
+    Source: the pairwise form of kda_chunked's unbounded diagonal tiles (k3jax/ops/kda_chunked.py).
+    """
+    C, K = gate.G.shape
+    _, cols = iotas(C, C)
+    first = gate.rb * BT                           # [C, 1]: first column of each row's block
+
+    def gather(row, d):                            # [C, K]: row i holds row(16 * block(i) + d)
+        out = jnp.broadcast_to(row(d), (C, K))
+        for r in range(1, gate.ns):
+            out = jnp.where(gate.rb == r, row(r * BT + d), out)
+        return out
+
+    def step(d, out):
+        bE = gather(b_row, d) * jnp.exp(jnp.minimum(gate.G - gather(G_row, d), 0.0))
+        at = cols == first + d
+        return tuple(jnp.where(at, jnp.sum(a * bE, axis=1, keepdims=True), s)
+                     for s, a in zip(out, lhs))
+
+    return list(lax.fori_loop(0, BT, step, tuple(bases)))
 
 
 def unit_lower_inverse(L, precision):
@@ -407,14 +473,28 @@ def chunk_factors(q, k, v, beta, gate: Gate, *, scale: float, dtype, ablate=froz
     return f
 
 
-def solve_factors(q, k, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset(), seg=None):
-    """First half of chunk_factors: dict M, A = (I + L)^-1 (L = beta M) and Aqk [C, C] fp32."""
+def solve_factors(q, k, beta, gate: Gate, *, scale: float, dtype, ablate=frozenset(), seg=None,
+                  own_rows=None):
+    """First half of chunk_factors: dict M, A = (I + L)^-1 (L = beta M) and Aqk [C, C] fp32.
+
+    own_rows: None (bounded gates: anchored_scores' own-anchor diagonal tiles), or, for unbounded
+    gates, the pair (k_row, G_row) of functions j -> row j [1, K] fp32 of k and of gate.G loaded
+    from refs: the scores' off-diagonal tiles are the row-block GEMMs over earlier blocks and the
+    diagonal tiles are exact (own_block_scores); every exp argument <= 0.
+    """
     C = k.shape[0]
     rows, cols = iotas(C, C)
     prec = BF16_OPERANDS if "bf16_dots" in ablate else mm_precision(dtype)
     ones = jnp.ones((1, C), F32)
+    if own_rows is not None and "scores" not in ablate:
+        M_all, Aqk_all = own_block_scores(
+            [anchored_scores(k, k, gate, dtype=dtype, own_block=False),
+             anchored_scores(scale * q, k, gate, dtype=dtype, own_block=False)],
+            [k, scale * q], gate, *own_rows)
     if "scores" in ablate:
         M = jnp.where(rows > cols, 1e-2 * row_sums(k) * ones, 0.0)
+    elif own_rows is not None:
+        M = jnp.where(rows > cols, M_all, 0.0)
     else:
         M = jnp.where(rows > cols, anchored_scores(k, k, gate, dtype=dtype), 0.0)
     M = keep(M, seg, "same")
@@ -429,6 +509,8 @@ def solve_factors(q, k, beta, gate: Gate, *, scale: float, dtype, ablate=frozens
         A = unit_lower_inverse(beta * M, prec)
     if "scores" in ablate:
         Aqk = jnp.where(rows >= cols, scale * row_sums(q) * ones, 0.0)
+    elif own_rows is not None:
+        Aqk = jnp.where(rows >= cols, Aqk_all, 0.0)
     else:
         Aqk = jnp.where(rows >= cols, anchored_scores(scale * q, k, gate, dtype=dtype), 0.0)
     Aqk = keep(Aqk, seg, "same")

@@ -2,7 +2,10 @@
 state and o in one serial pass; or, ops.KernelOptions.parallel_output, state_fwd_vp carrying only
 the state and writing V' and the per-chunk states, then output_fwd forming o in parallel, as fla).
 The intra-chunk factors are one kernel (intra_fwd) or, ops.KernelOptions.split_intra_fwd, two
-(intra_fwd_split: scores and solve, then W / U, as fla's recompute_w_u).
+(intra_fwd_split: scores and solve, then W / U, as fla's recompute_w_u). Unbounded gates
+(`unbounded=True`, no lower_bound) run only in intra_fwd_split with the XLA gate cumsum: its
+kernel a forms the diagonal score tiles exactly (common.own_block_scores); the state and output
+kernels need no bound (every exp they use was taken in intra_fwd of a non-positive number).
 
 Layouts: the user-facing tensors stay token-major as given, q, k, g [B, T, H, K], v and o
 [B, T, H, V], beta [B, T, H] (BlockSpecs pick one head's [C, K] rows with stride H * K: no transposes
@@ -81,7 +84,7 @@ def _intra_fwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kd_ref, w_r
 def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
               factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
               gate_cumsum: bool = False, segments=None, split: bool = False,
-              _ablate: tuple[str, ...] = (), _params=None):
+              unbounded: bool = False, _ablate: tuple[str, ...] = (), _params=None):
     """Per-chunk factors, one program per (batch, head, chunk).
 
     Args: q, k [B, T, H, K] (bf16 or fp32); v [B, T, H, V]; g [B, T, H, K] fp32 log-decay (nats);
@@ -104,19 +107,27 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
         document start, aqk and M (hence A) zero across documents.
       split: run it as two kernels (intra_fwd_split; ops.KernelOptions.split_intra_fwd): the
         scores and the solve, then W = A X, U = A Y reading A; same math, same returns.
+      unbounded: g has no lower bound (any g <= 0): the diagonal score tiles are computed exactly
+        (common.own_block_scores) instead of as one anchored dot. Needs split=True and
+        gate_cumsum=True (the tested combination); False: the bounded kernels, unchanged.
       _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
         common.FWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
       _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
-    Raises: ValueError for an unknown _ablate name, or any _ablate with split.
+    Raises: ValueError for an unknown _ablate name, any _ablate with split, or unbounded without
+      split and gate_cumsum.
     """
     ablate = cm.check_ablate(_ablate, cm.FWD_ABLATIONS, "_ablate")
+    if unbounded and not split:
+        raise ValueError(f"{unbounded=} runs only in the two-kernel forward: pass split=True "
+                         f"(ops.KernelOptions.split_intra_fwd); got {split=}")
     if split:
         if ablate:
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_fwd_split(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                                interpret=interpret, factor_dtype=factor_dtype,
                                save_solve=save_solve, bf16_dots=bf16_dots,
-                               gate_cumsum=gate_cumsum, segments=segments, _params=_params)
+                               gate_cumsum=gate_cumsum, segments=segments, unbounded=unbounded,
+                               _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -158,8 +169,12 @@ def _intra_fwd_a_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, dtype, flag
     kd_ref[...] = cm.keep(k * jnp.exp(gate.G_last - gate.G), seg, "in_last").astype(kd_ref.dtype)
     gl_ref[...] = cm.keep(jnp.exp(gate.G_last), seg, "carry").reshape(gl_ref.shape)
     b = beta_ref[...].astype(F32)[:, None]
+    own_rows = None
+    if "unbounded" in flags:                  # g_ref holds G (gate_cumsum): exact diagonal tiles
+        own_rows = (lambda j: k_ref[pl.ds(j, 1), :].astype(F32),
+                    lambda j: g_ref[pl.ds(j, 1), :].astype(F32))
     f = cm.solve_factors(q, k, b, gate, scale=scale, dtype=dtype,
-                         ablate=flags & {"bf16_dots"}, seg=seg)
+                         ablate=flags & {"bf16_dots"}, seg=seg, own_rows=own_rows)
     aqk_ref[...] = f["Aqk"].astype(aqk_ref.dtype)
     a_ref[...] = f["A"]
     if m_ref:
@@ -180,7 +195,8 @@ def _intra_fwd_b_kernel(k_ref, v_ref, g_ref, beta_ref, a_ref, *refs, dtype, flag
 
 def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: bool,
                     factor_dtype=F32, save_solve: bool = False, bf16_dots: bool = False,
-                    gate_cumsum: bool = False, segments=None, _params=None):
+                    gate_cumsum: bool = False, segments=None, unbounded: bool = False,
+                    _params=None):
     """intra_fwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_fwd_a"): gate cumsum, the anchored score GEMMs and (I + L)^-1: writes qg,
@@ -191,7 +207,14 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     W / U operands at once; split, neither does. Cost: A written and read once more (32 KiB per
     chunk; with save_solve it is written anyway) and k, v, g, beta read twice. Both kernels apply
     the segment masks (cm.Segments) that concern their outputs.
+    unbounded (needs gate_cumsum): kernel a forms the diagonal 16x16 score tiles exactly
+    (common.own_block_scores: elementwise fp32 with every exp argument <= 0; the off-diagonal tiles
+    stay row-block GEMMs over earlier blocks), so any g <= 0 is exact; kernel b is unchanged.
+    Raises: ValueError for unbounded without gate_cumsum.
     """
+    if unbounded and not gate_cumsum:
+        raise ValueError(f"{unbounded=} needs gate_cumsum=True (the diagonal tiles load rows of G "
+                         f"from g's ref); got {gate_cumsum=}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -202,7 +225,8 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     segmented = segments is not None
     flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
                        else set()) | ({"gate_cumsum"} if gate_cumsum else set())
-                      | ({"segmented"} if segmented else set()))
+                      | ({"segmented"} if segmented else set())
+                      | ({"unbounded"} if unbounded else set()))
     params = _params or cm.INTRA_PARAMS
     seg_in = [segments] if segmented else []
     seg_spec = [cm.seg_spec(C)] if segmented else []
