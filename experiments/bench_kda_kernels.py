@@ -42,6 +42,7 @@ JSON keeps the rows done).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import functools
 import json
@@ -87,7 +88,7 @@ flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the pr
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
                   "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
-                  "at --check_shape): 'base' or '+'-joined names from split_bwd, par_out, "
+                  "at --check_shape): 'base' (the defaults), 'round2' (all off) or '+'-joined names (on over round2) from split_bwd, par_out, "
                   "bf16_state, bf16_intra, xla_cumsum, split_fwd, compact_bwd")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
@@ -252,7 +253,10 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd": common.BWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_split": ("bf16_dots", "gate_cumsum", "compact"),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
-# --variants: names of ops.KernelOptions fields ("a+b" sets both; "base" = KernelOptions()).
+# --variants: "base" = ops.KernelOptions() (the defaults: every option on since 2026-12-01),
+# "round2" = ops.ROUND2_OPTIONS (every option off), or '+'-joined short names of the options to turn
+# ON over round 2 ("a+b" sets both). Result JSONs before 2026-12-01 03:00 UTC (kda_ab_round3_h200.json
+# included) wrote "base" for the then-default all-off kernels, i.e. today's "round2".
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
@@ -260,13 +264,16 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
 
 
 def variant_options(spec: str) -> ops.KernelOptions:
-    """ops.KernelOptions of a --variants spec ("base", or field short names joined by '+')."""
-    names = [] if spec == "base" else spec.split("+")
+    """ops.KernelOptions of a --variants spec ("base", "round2", or field short names joined by '+',
+    each turned on over ops.ROUND2_OPTIONS)."""
+    if spec == "base":
+        return ops.KernelOptions()
+    names = [] if spec == "round2" else spec.split("+")
     bad = [n for n in names if n not in VARIANT_FIELDS]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base' or '+'-joined "
+        raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base', 'round2' or '+'-joined "
                          f"names from {tuple(VARIANT_FIELDS)}")
-    return ops.KernelOptions(**{VARIANT_FIELDS[n]: True for n in names})
+    return dataclasses.replace(ops.ROUND2_OPTIONS, **{VARIANT_FIELDS[n]: True for n in names})
 
 
 def profile_inputs(B, T, H, K):

@@ -180,18 +180,16 @@ class TestPallasInterpret(KDAImplementationTests):
         assert_rms_close("ht", ht_ref, ht, FP32_TOLERANCE)
 
 
-class TestPallasVariantsInterpret(TestPallasInterpret):
-    """The round-3 kernel variants (all of ops.KernelOptions on: intra_bwd as two kernels with the
-    compact row-block score-tile backward, intra_fwd as two kernels, the fla-style forward with a
-    parallel output kernel, bf16 operands for the state and intra dots, the gate cumsums in XLA)
-    against the same references and tolerances; the option refusals are the default path's and
-    are not repeated. The branches that only run without xla_gate_cumsum (intra_fwd_split's own
-    cumsum, G written by intra_bwd_a for the compact kernel) are checked against the default
-    kernels, with and without segment_ids, in test_variants_match_the_default_kernels."""
+class TestPallasRound2Interpret(TestPallasInterpret):
+    """The round-2 kernels (ops.ROUND2_OPTIONS: every ops.KernelOptions field off: fused intra_fwd and
+    intra_bwd with the masked [64, 64] score-tile backward, the state pass writing o, TF32 dots, the
+    gate cumsums inside the kernels) against the same references and tolerances as the default
+    (all-on) kernels of TestPallasInterpret; the option refusals are the default path's and are not
+    repeated. Each option is checked on its own against the round-2 kernels in
+    test_options_change_only_rounding, including the branches that only run without
+    xla_gate_cumsum (intra_fwd_split's own cumsum, G written by intra_bwd_a for the compact kernel)."""
 
-    options = ops.KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
-                                bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
-                                compact_offdiag_bwd=True)
+    options = ops.ROUND2_OPTIONS
 
     def run(self, q, k, v, g, beta, **kwargs):
         kwargs.pop("chunk_size", None)
@@ -215,8 +213,8 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
     test_odd_sizes_and_options = None
     test_future_gates_do_not_change_past_outputs = None
 
-    def test_variants_match_the_default_kernels(self):
-        # Every option changes only rounding: bf16 inputs (1, 128, 1, 32) vs the default kernels.
+    def test_options_change_only_rounding(self):
+        # Every option changes only rounding: bf16 inputs (1, 128, 1, 32) vs the round-2 kernels.
         x = make_kda_inputs(jax.random.PRNGKey(15), 1, 128, 1, 32, dtype=jnp.bfloat16)
         do = jax.random.normal(jax.random.PRNGKey(16), (1, 128, 1, 32)).astype(jnp.bfloat16)
         dht = jax.random.normal(jax.random.PRNGKey(17), (1, 1, 32, 32))
@@ -226,7 +224,7 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
                 lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, lower_bound=-5.0,
                                                          output_final_state=True, interpret=True,
                                                          options=options), x, do, dht))(x)
-        o0, ht0, g0 = run(None)
+        o0, ht0, g0 = run(ops.ROUND2_OPTIONS)
         # Measured (interpret): split_intra_bwd is bit-identical; xla_gate_cumsum dg 1.3e-5 (the
         # in-kernel reverse cumsum, total - cumsum + dG, cancels); parallel_output o 2.5e-4 (o reads
         # the bf16-stored state), with bf16_state_dots o 2.8e-3, ht 1.5e-3; bf16_intra_dots o 2.9e-3,
@@ -240,7 +238,7 @@ class TestPallasVariantsInterpret(TestPallasInterpret):
                             (("parallel_output", "bf16_state_dots"), 5e-3),
                             (("bf16_intra_dots",), 8e-3),
                             (("split_intra_fwd", "compact_offdiag_bwd"), 1e-4)):
-            o, ht, grads = run(ops.KernelOptions(**{f: True for f in fields}))
+            o, ht, grads = run(dataclasses.replace(ops.ROUND2_OPTIONS, **{f: True for f in fields}))
             assert_rms_close(f"{fields} o", o0, o, tol)
             assert_rms_close(f"{fields} ht", ht0, ht, tol)
             for name in GRAD_NAMES:
@@ -307,8 +305,11 @@ class TestSupported:
         with pytest.raises(ValueError, match="lower_bound"):
             ops.kda_pallas(*_args(x), lower_bound=-8.0, interpret=True)
 
-    def test_default_implementation_does_not_pick_the_kernel(self):
-        # None stays the chunked op (measured faster than this kernel on the H200; see the notes).
+    def test_default_implementation_off_the_h200_is_the_chunked_op(self):
+        # None picks the kernel only compiled on a compute-capability-9.0 GPU (where its gpu tests
+        # ran); here (CPU, or any other GPU) it is the chunked op.
+        if getattr(jax.devices()[0], "compute_capability", None) == "9.0":
+            pytest.skip("on an H100/H200 None is the kernel: test_default_implementation_is_the_kernel")
         x = make_kda_inputs(jax.random.PRNGKey(11), 1, 40, 2, 16)
         o_default, _ = kda(*_args(x), lower_bound=-5.0)
         o_chunked, _ = kda(*_args(x), lower_bound=-5.0, implementation="chunked")
@@ -331,13 +332,13 @@ class TestTritonLowering:
     """Forward and gradient lower to Triton IR for CUDA (bf16 at K = V = 128, the benchmark's head dim;
     fp32 at the largest head dim supported compiled, ops.MAX_FP32_HEAD_DIM)."""
 
-    @pytest.mark.parametrize("variants", [None, "all"])
+    @pytest.mark.parametrize("variants", [None, "round2"])
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
     @pytest.mark.parametrize("sequence_split", [0, None])
     def test_lowers_for_cuda(self, dtype, sequence_split, variants):
         self._check_lowering(dtype, sequence_split, variants, segments=False)
 
-    @pytest.mark.parametrize("variants", [None, "all", "split_fwd+compact"])
+    @pytest.mark.parametrize("variants", [None, "round2", "split_fwd+compact"])
     def test_lowers_for_cuda_with_segment_ids(self, variants):
         # The document masks (an int32 [C] block per chunk, selects in intra_fwd / intra_bwd /
         # intra_bwd_a / intra_fwd_a / intra_fwd_b) lower too; same kernel count as without.
@@ -359,12 +360,13 @@ class TestTritonLowering:
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
         beta = jax.ShapeDtypeStruct((B, T, H), dtype)
 
-        # variants "all": every ops.KernelOptions on: +2 forward calls (output_fwd, intra_fwd_b),
-        # +1 backward (intra_bwd_b); "split_fwd+compact": +1 forward (intra_fwd_b), +1 backward.
-        fields = {None: (), "all": tuple(f.name for f in dataclasses.fields(ops.KernelOptions)),
-                  "split_fwd+compact": ("split_intra_fwd", "compact_offdiag_bwd")}[variants]
-        options = ops.KernelOptions(**{f: True for f in fields}) if variants else None
-        extra_fwd, extra_bwd = {None: (0, 0), "all": (2, 1), "split_fwd+compact": (1, 1)}[variants]
+        # Kernel counts relative to the round-2 kernels (ops.ROUND2_OPTIONS): the default (every
+        # ops.KernelOptions field on) has +2 forward calls (output_fwd, intra_fwd_b) and +1 backward
+        # (intra_bwd_b); "split_fwd+compact" (round 2 plus those two) +1 forward, +1 backward.
+        options = {None: None, "round2": ops.ROUND2_OPTIONS,
+                   "split_fwd+compact": dataclasses.replace(ops.ROUND2_OPTIONS, split_intra_fwd=True,
+                                                            compact_offdiag_bwd=True)}[variants]
+        extra_fwd, extra_bwd = {None: (2, 1), "round2": (0, 0), "split_fwd+compact": (1, 1)}[variants]
 
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 
@@ -436,6 +438,18 @@ class TestPallasGPU(TestPallasInterpret):
     def test_matches_recurrent_on_fla_shapes(self, shape, dtype):
         KDAImplementationTests.test_matches_recurrent_on_fla_shapes(self, shape, "bounded", dtype)
 
+    def test_default_implementation_is_the_kernel(self):
+        # On the H200 (compute capability 9.0) implementation=None runs the kernel: bit-equal to
+        # an explicit "pallas" call, and not the chunked op.
+        if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+            pytest.skip("implementation=None picks the kernel only on compute capability 9.0")
+        x = make_kda_inputs(jax.random.PRNGKey(11), 1, 256, 2, 128, dtype=jnp.bfloat16)
+        o_default, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0))(_args(x))
+        o_pallas, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0, implementation="pallas"))(_args(x))
+        o_chunked, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0, implementation="chunked"))(_args(x))
+        np.testing.assert_array_equal(np.asarray(o_default, np.float32), np.asarray(o_pallas, np.float32))
+        assert not np.array_equal(np.asarray(o_default, np.float32), np.asarray(o_chunked, np.float32))
+
     def test_million_tokens_finite(self):
         T, W = 1 << 20, 4096
         x = make_kda_inputs(jax.random.PRNGKey(6), 1, T, 1, 128, dtype=jnp.bfloat16)
@@ -448,13 +462,15 @@ class TestPallasGPU(TestPallasInterpret):
 
 
 @pytest.mark.gpu
-class TestPallasVariantsGPU(TestPallasVariantsInterpret):
-    """The round-3 variants compiled for the GPU at the first GPU case (bf16, K = V = 128)."""
+class TestPallasRound2GPU(TestPallasRound2Interpret):
+    """The round-2 kernels (ops.ROUND2_OPTIONS) compiled for the GPU at the first GPU case (bf16,
+    K = V = 128)."""
 
     interpret = False
     test_weak_decay_long_memory = None
     test_gates_at_lower_bound = None
-    test_variants_match_the_default_kernels = None
+    test_options_change_only_rounding = None
+    test_default_implementation_is_the_kernel = None
     test_options_type_checked = None
     test_million_tokens_finite = None
 

@@ -110,9 +110,11 @@ def factor_dtypes(dtype) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-    """Static choices between kernel variants with the same math (round-3 levers; the defaults are
-    the kernels measured so far, kda_pallas_notes.md). A variant becomes the default only after a
-    GPU measurement shows it faster at accuracy within fla's tolerances.
+    """Static choices between kernel variants with the same math (the round-3 levers of
+    experiments/results/kda_pallas_notes.md). Defaults: all on, chosen by the H200 A/B run of
+    2026-12-01 (experiments/results/kda_ab_round3_h200.json; 8x4096x16x128 bf16, fwd / fwd+bwd:
+    2.70 / 13.16 ms all on vs 6.32 / 35.28 ms all off, errors vs the fp32 recurrence within fla's
+    tolerances). ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
 
     split_intra_bwd: the intra-chunk backward as two kernels (bwd.intra_bwd_split) instead of one.
     parallel_output: the forward's serial pass only carries the state and writes V' and the
@@ -137,13 +139,20 @@ class KernelOptions:
       it runs the two-kernel backward whatever split_intra_bwd says (implies it).
     """
 
-    split_intra_bwd: bool = False
-    parallel_output: bool = False
-    bf16_state_dots: bool = False
-    bf16_intra_dots: bool = False
-    xla_gate_cumsum: bool = False
-    split_intra_fwd: bool = False
-    compact_offdiag_bwd: bool = False
+    split_intra_bwd: bool = True
+    parallel_output: bool = True
+    bf16_state_dots: bool = True
+    bf16_intra_dots: bool = True
+    xla_gate_cumsum: bool = True
+    split_intra_fwd: bool = True
+    compact_offdiag_bwd: bool = True
+
+
+# The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
+# the gate cumsums inside the kernels (the defaults until 2026-12-01).
+ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
+                               bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
+                               compact_offdiag_bwd=False)
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
