@@ -52,6 +52,7 @@ pass the budget.
 from __future__ import annotations
 
 import datetime
+import dataclasses
 import json
 import os
 import platform
@@ -190,14 +191,42 @@ def _fmt(values, scale=1.0, digits=3):
 _SAME_IN_MERGE = ("steps", "num_experts", "top_k", "warmup_frac", "jax")
 
 
-def _config_differences(a, b, prefix: str = "") -> list[str]:
-    """Dotted keys where two (nested) base-config dicts differ (a key missing on one side counts)."""
+_MISSING = object()
+
+
+def _field_defaults() -> dict[str, object]:
+    """Dotted base-config key -> the dataclass default of that field (data.*, model.*, train.*)."""
+    from k3jax.models.config import ModelConfig
+    from k3jax.train.config import DataConfig, TrainConfig
+    out = {}
+    for section, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig)):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f"{section}.{f.name}"] = f.default
+    return out
+
+
+def _config_differences(a, b, prefix: str = "", defaults: dict | None = None) -> list[str]:
+    """Dotted keys where two (nested) base-config dicts differ. A key missing on one side counts,
+    unless the other side holds that field's dataclass default (a field added to the config after
+    the older file was written, e.g. model.moe_quantile_iterations = 1: the same run)."""
+    defaults = _field_defaults() if defaults is None else defaults
+    if a is _MISSING or b is _MISSING:
+        present = b if a is _MISSING else a
+        same = prefix in defaults and _jsonable(defaults[prefix]) == present
+        return [] if same else [prefix]
     if not isinstance(a, dict) or not isinstance(b, dict):
         return [] if a == b else [prefix or "base_config"]
     out = []
     for key in dict.fromkeys([*a, *b]):
-        out += _config_differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
+        out += _config_differences(a.get(key, _MISSING), b.get(key, _MISSING),
+                                   f"{prefix}.{key}" if prefix else str(key), defaults)
     return out
+
+
+def _jsonable(x):
+    """x as it reads back from a result JSON (tuples become lists)."""
+    return json.loads(json.dumps(x, default=str))
 
 
 def _process_line(p: dict) -> str:
