@@ -85,6 +85,8 @@ def _pallas_covers(q, k, v, g, beta, *, lower_bound, segment_ids, chunk_size, in
     chunked op forward / forward+backward at 8x4096x16x128 bf16 (experiments/results/kda_h200.md)."""
     if interpret or jax.default_backend() != "gpu":
         return False
+    if lower_bound is None:     # unbounded gates: tested in interpret mode and lowered, not yet run on the GPU
+        return False
     if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         return False
     from pallas_kernels.kda import ops as pallas_kda
@@ -129,7 +131,9 @@ def kda(
         true), else "chunked" (fail-closed: never a call the kernel was not tested for);
         "recurrent" (the fp32 oracle, O(T) sequential steps), "chunked" (XLA chunk form) or
         "pallas" (pallas_kernels.kda.ops.kda_pallas, with use_qk_l2norm done by XLA before it; an
-        explicit request it does not cover, e.g. lower_bound=None, raises).
+        explicit request it does not cover, e.g. chunk_size=32, raises). With lower_bound=None None
+        stays "chunked" (the kernel's exact unbounded path is not yet GPU-tested); an explicit
+        "pallas" runs it.
       interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
 
     Returns:

@@ -23,11 +23,18 @@ program and apply 0/1 selects to the chunk factors and their gradients (common.S
 serial state passes, the sequence split and the output kernel run unchanged. Without segment_ids
 the kernels take no extra input and are the same as before.
 
-Kernel variants with the same math (ops.KernelOptions; defaults unchanged until a GPU run shows
-a variant faster): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
+Kernel variants with the same math (ops.KernelOptions; all on by default since the H200 A/B of
+2026-12-01): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
 forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots and the
 intra dots, the gate cumsums in XLA, intra_fwd as two kernels (fwd.intra_fwd_split), the compact
 row-block score-tile backward.
+
+Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is one anchored dot
+(exp of at most 80 nats). With lower_bound=None (unbounded gates, e.g. Kimi Linear's
+g = -exp(A_log) softplus(.)) the diagonal tiles are computed exactly instead, elementwise with every
+exp argument <= 0 (common.own_block_scores in fwd.intra_fwd_split's kernel a, bwd._own_block_bwd in
+the compact backward kernel b); all other kernels need no bound. That path exists only for the
+default option set (UNBOUNDED_OPTIONS, all seven on); `supported` refuses other option sets.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
@@ -155,21 +162,37 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                compact_offdiag_bwd=False)
 
 
+# The only option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
+# in fwd.intra_fwd_split's kernel a with the XLA gate cumsum and in the compact backward kernel b, and
+# the tests cover them with every option on (the defaults of 2026-12-01). Spelled out, not
+# KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
+UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
+                                  bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
+                                  compact_offdiag_bwd=True)
+
+
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
-              chunk_size=CHUNK_SIZE, initial_state=None, interpret=False) -> tuple[bool, str]:
+              chunk_size=CHUNK_SIZE, initial_state=None, interpret=False,
+              options=None) -> tuple[bool, str]:
     """Whether `kda_pallas` covers this call (shapes, dtypes, options), and why not if it does not.
 
-    Args: as `kda_pallas` (arrays or ShapeDtypeStructs; segment_ids [B, T] of an integer dtype),
-      plus the dispatch option use_qk_l2norm, which the kernel does not implement. Compiled
-      (interpret=False) fp32 calls are covered only up to K, V <= MAX_FP32_HEAD_DIM (see there).
+    Args: as `kda_pallas` (arrays or ShapeDtypeStructs; segment_ids [B, T] of an integer dtype;
+      options a KernelOptions or None = KernelOptions()), plus the dispatch option use_qk_l2norm,
+      which the kernel does not implement. Compiled (interpret=False) fp32 calls are covered only up
+      to K, V <= MAX_FP32_HEAD_DIM (see there). lower_bound=None (unbounded gates) is covered only
+      with options == UNBOUNDED_OPTIONS (every KernelOptions field on, the default).
     Returns: (True, "") or (False, reason).
     """
     if use_qk_l2norm:
         return False, "use_qk_l2norm=True is not supported by the Pallas KDA kernel"
     if lower_bound is None:
-        return False, ("lower_bound=None (unbounded gates) is not supported by the Pallas KDA kernel: "
-                       "it implements only the bounded-gate uniform-GEMM diagonal tiles")
-    if not MIN_LOWER_BOUND <= float(lower_bound) < 0:
+        opts = KernelOptions() if options is None else options
+        if opts != UNBOUNDED_OPTIONS:
+            return False, ("lower_bound=None (unbounded gates) runs in the Pallas KDA kernel only with the "
+                           f"default options (every KernelOptions field on, UNBOUNDED_OPTIONS); got {options=}: "
+                           "the exact diagonal tiles exist only in intra_fwd_split with xla_gate_cumsum and the "
+                           "compact_offdiag_bwd backward")
+    elif not MIN_LOWER_BOUND <= float(lower_bound) < 0:
         return False, f"{lower_bound=} must lie in [{MIN_LOWER_BOUND}, 0) for the Pallas KDA kernel"
     if chunk_size != CHUNK_SIZE:
         return False, f"{chunk_size=} is not supported by the Pallas KDA kernel (only {CHUNK_SIZE})"
@@ -226,10 +249,12 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
     return o, h, (ht if seg_chunks else ht_pass)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
+def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options,
+          unbounded):
     """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp];
     rel None or [B, Tp] int32 document offsets (common.document_offsets; no gradient).
+    unbounded: no lower_bound (exact diagonal tiles; options must be UNBOUNDED_OPTIONS).
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
     options.parallel_output, whose output kernel reads them).
@@ -239,14 +264,15 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
                         gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                        split=options.split_intra_fwd)
+                        split=options.split_intra_fwd, unbounded=unbounded)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
     return o, ht
 
 
-def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options):
+def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options,
+              unbounded):
     # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
     # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
@@ -256,14 +282,14 @@ def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks,
                                interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
                                save_solve=True, bf16_dots=options.bf16_intra_dots,
                                gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                               split=options.split_intra_fwd)
+                               split=options.split_intra_fwd, unbounded=unbounded)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
     return (o, ht), (q, k, v, g, beta, h0, rel, h, tuple(fac), A, M)
 
 
-def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, cts):
+def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unbounded, res, cts):
     q, k, v, g, beta, h0, rel, h, (qg, kd, w, u, aqk, gl), A, M = res
     do, dht = cts
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
@@ -283,7 +309,8 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, c
                                           split=options.split_intra_bwd,
                                           bf16_dots=options.bf16_intra_dots,
                                           gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                                          compact_offdiag=options.compact_offdiag_bwd)
+                                          compact_offdiag=options.compact_offdiag_bwd,
+                                          unbounded=unbounded)
     if options.xla_gate_cumsum:
         dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
@@ -292,7 +319,7 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, res, c
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = None,
+def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | None = None,
                initial_state=None, output_final_state: bool = False, segment_ids=None,
                chunk_size: int = CHUNK_SIZE, interpret: bool = False,
                sequence_split: int | None = None, options: KernelOptions | None = None):
@@ -301,9 +328,13 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
     Args:
       q, k: [B, T, H, K]; v: [B, T, H, V] (one dtype: bf16 or fp32; dots take bf16 operands with
         fp32 accumulation for bf16 inputs); g: [B, T, H, K] log-decay in nats with
-        lower_bound <= g <= 0 (a caller PROMISE; not checked at run time); beta: [B, T, H].
+        lower_bound <= g <= 0 (a caller PROMISE; not checked at run time; g <= 0 is promised also
+        without a bound); beta: [B, T, H].
       lower_bound: declared gate bound in [-5, 0); it is what makes every 16x16 diagonal tile one
-        dense dot (exp of at most 16 * 5 = 80 nats).
+        dense dot (exp of at most 16 * 5 = 80 nats). None: unbounded gates (any g <= 0, e.g. Kimi
+        Linear's softplus gate): the diagonal tiles run the exact elementwise form (every exp
+        argument <= 0; CUDA-core work instead of one tensor-core dot per tile); only with the
+        default options (UNBOUNDED_OPTIONS).
       scale: query scale, None = K ** -0.5.
       initial_state: [B, H, K, V] (fp32) state before token 0, or None (zeros). With segment_ids it
         applies to each row's first document only.
@@ -323,18 +354,20 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
-    Raises: ValueError naming the reason when `supported(...)` is False.
+    Raises: ValueError naming the reason when `supported(...)` is False (e.g. lower_bound=None with
+      options other than UNBOUNDED_OPTIONS), or options not a KernelOptions.
 
-    Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`.
+    Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`;
+    unbounded gates: the exact pairwise diagonal tiles of k3jax's kda_chunked (no lower_bound).
     """
-    ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size, interpret=interpret,
-                        initial_state=initial_state, segment_ids=segment_ids)
-    if not ok:
-        raise ValueError(why)
     if options is None:
         options = KernelOptions()
     if not isinstance(options, KernelOptions):
         raise ValueError(f"options must be a KernelOptions or None; got {type(options).__name__}")
+    ok, why = supported(q, k, v, g, beta, lower_bound=lower_bound, chunk_size=chunk_size, interpret=interpret,
+                        initial_state=initial_state, segment_ids=segment_ids, options=options)
+    if not ok:
+        raise ValueError(why)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:
@@ -359,7 +392,8 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float, scale: float | None = No
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
     rel = None if segment_ids is None else common.document_offsets(segment_ids, C, Tp)
     seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v))
-    o, ht = _core(qp, kp, vp, gp, bp, h0, rel, float(scale), C, block_v, seg, bool(interpret), options)
+    o, ht = _core(qp, kp, vp, gp, bp, h0, rel, float(scale), C, block_v, seg, bool(interpret), options,
+                  lower_bound is None)
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
     final = jnp.swapaxes(ht[:, :, :V, :K], -1, -2) if output_final_state else None
     return o, final
