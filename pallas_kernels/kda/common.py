@@ -24,12 +24,13 @@ exp(anc_r - G_j) is not bounded and overflows (g can be -50 or less per token). 
 keeps the row-block GEMMs for the columns of the blocks BEFORE r only (their column operand is zero,
 not inf, on the rows of blocks >= r: `Gate.eb_before`) and computes the own-block (diagonal 16x16
 tile) entries exactly with `own_block_scores`: sum_c a_ic b_jc exp(min(G_ic - G_jc, 0)), elementwise
-[C, K] products reduced over K, one static step per column offset inside the block, inserted with
+[C, K] products reduced over K, one loop step per column offset inside the block, inserted with
 selects. Every exp argument on that path is <= 0. The other forward factors need no bound: qg
 (exp(G)), kd (exp(G_last - G)), e^{G_last}, X = beta e^G k and the anchored row factor
-ea = exp(G - anc) all take exp of a non-positive number (G is a running sum of g <= 0, and fp32
-rounding of a sum of non-positive terms never increases it), and the state passes only multiply
-by those stored factors.
+ea = exp(G - anc) all take exp of a non-positive number up to rounding (G is a running sum of
+g <= 0; a sequential fp32 cumsum never rises, and a reordered parallel scan can leave at most a
+few ulps of |G| above zero, whose exp is ~1), and the state passes only multiply by those stored
+factors.
 """
 from __future__ import annotations
 
@@ -217,10 +218,10 @@ class Gate:
         return jnp.exp(jnp.where(self.rb <= r, self.anc[r] - self.G, 0.0))
 
     def eb_before(self, r: int):
-        """exp(anc_r - G) on rows of blocks < r (<= 1: the cumsum never rises, so G_j >= anc_r
+        """exp(anc_r - G) on rows of blocks < r (<= 1 up to rounding: the cumsum falls, G_j >= anc_r
         there) and 0 on rows of blocks >= r [C, K]: the column operand of row block r's GEMM on the
         unbounded path, zero (not inf) where the own block's factor would overflow. Every exp
-        argument is <= 0."""
+        argument is <= 0 (up to a rounding residue of the cumsum)."""
         before = self.rb < r
         return jnp.where(before, jnp.exp(jnp.where(before, self.anc[r] - self.G, 0.0)), 0.0)
 
@@ -397,8 +398,8 @@ def own_block_scores(bases, lhs, gate: Gate, b_row, G_row):
 
     For a row i in block r and each column j = 16 r + d of the same block (d = 0 .. 15):
       S_ij = sum_c a_ic b_jc exp(min(G_ic - G_jc, 0)),
-    the score for j <= i (there G_i - G_j = g_{j+1} + ... + g_i <= 0, also after fp32 rounding of
-    the cumsum, so the min is inactive) and a finite unused value for j > i (exp(0) = 1; the
+    the score for j <= i (there G_i - G_j = g_{j+1} + ... + g_i <= 0, so the min is inactive up
+    to a rounding residue of the cumsum) and a finite unused value for j > i (exp(0) = 1; the
     caller masks with a select). Every exp argument is <= 0, so no g <= 0 overflows.
 
     Args: bases: list of [C, C] fp32 score values (e.g. anchored_scores(..., own_block=False))
