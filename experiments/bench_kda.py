@@ -52,6 +52,8 @@ flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without exte
                     "committed CPU table is --out=experiments/results/kda_cpu")
 flags.DEFINE_list("from_json", [], "re-render the tables from earlier runs' files (no timing): .json files of "
                   "this script and/or the <out>_fla.jsonl rows of a --fla run (e.g. from another GPU process)")
+flags.DEFINE_bool("from_json_later_wins", False, "with --from_json: a row a later file repeats replaces the "
+                  "earlier one (e.g. a kernel re-run merged with peers timed before it)")
 flags.DEFINE_integer("check_max_t", 2048, "accuracy check: the first min(T, this) tokens of batch row 0, every "
                      "implementation vs the fp32 recurrent oracle on the same (upcast) inputs (0 = no check)")
 flags.DEFINE_bool("fla", False, "also time fla's chunk_kda(safe_gate=True, lower_bound=-5) in a torch "
@@ -231,34 +233,53 @@ def check_errors(op: Callable, B, T, H, K, dtype) -> dict:
                                             zip(("q", "k", "v", "g", "beta"), got[1], ref[1])}}
 
 
-def load_rows(paths) -> tuple[dict, list[dict]]:
-    """Rows (and the first environment) of earlier runs: this script's .json files and --fla .jsonl rows.
+def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
+    """Rows (and an environment) of earlier runs: this script's .json files and --fla .jsonl rows.
+
+    With `later_wins`, a row (timing: implementation, mode, B, T, H, K, dtype; check: implementation
+    and shape) that a LATER path repeats replaces the earlier one (a re-run after a kernel change
+    next to peers timed before it), and the environment is the last .json file's; each kept row
+    names its file in "source".
 
     Raises:
-      ValueError: no .json file among `paths`; two timing rows with the same implementation, mode,
-        B, T, H, K and dtype (the side-by-side table would silently keep one of them).
+      ValueError: no .json file among `paths`; without `later_wins`, two timing rows with the same
+        implementation, mode, B, T, H, K and dtype (the side-by-side table would silently keep one).
     """
     env, rows = None, []
     for path in paths:
         with open(path) as f:
             if path.endswith(".jsonl"):
-                rows += [json.loads(line) for line in f if line.strip()]
+                new = [json.loads(line) for line in f if line.strip()]
             else:
                 saved = json.load(f)
-                env = env or saved["environment"]
-                rows += saved["rows"]
+                env = saved["environment"] if (later_wins or env is None) else env
+                new = saved["rows"]
+        for r in new:
+            r["source"] = os.path.basename(path)
+        if later_wins:
+            keys = {_row_key(r) for r in new}
+            rows = [r for r in rows if _row_key(r) not in keys]
+        rows += new
     if env is None:
         raise ValueError(f"from_json={paths!r} names no .json file with an environment")
     seen = set()
     for r in rows:
         if r["mode"] == "check":
             continue
-        key = (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"))
+        key = _row_key(r)
         if key in seen:
             raise ValueError(f"from_json={paths!r}: two timing rows for {key} (implementation, mode, B, T, H, K, "
-                             "dtype); keep one (each --fla run appends to <out>_fla.jsonl)")
+                             "dtype); keep one (each --fla run appends to <out>_fla.jsonl) or pass "
+                             "--from_json_later_wins")
         seen.add(key)
     return env, rows
+
+
+def _row_key(r: dict) -> tuple:
+    """What makes two rows the same measurement (check rows: implementation and shape)."""
+    if r["mode"] == "check":
+        return (r["implementation"], "check", r.get("shape"), r.get("B"), r.get("T"), r.get("H"), r.get("K"))
+    return (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"))
 
 
 def _ms(x) -> str:
@@ -322,7 +343,7 @@ def time_all():
 def main(argv):
     del argv
     if FLAGS.from_json:
-        env, rows = load_rows(FLAGS.from_json)
+        env, rows = load_rows(FLAGS.from_json, later_wins=FLAGS.from_json_later_wins)
         shapes = list(dict.fromkeys(f"{r['B']}x{r['T']}x{r['H']}x{r['K']}" for r in rows))
         FLAGS.shapes = shapes
     else:
@@ -331,7 +352,7 @@ def main(argv):
     timed = [r for r in rows if r["mode"] != "check" and r["implementation"] not in ("fla",)]
     if FLAGS.from_json:  # describe the rows, not this call's flags
         def join(key):
-            return "/".join(dict.fromkeys(str(r.get(key, "?")) for r in timed)) or "?"
+            return "/".join(dict.fromkeys(str(r[key]) for r in timed if key in r)) or "?"
         dtype, iters, warmup = join("dtype"), join("iters"), join("warmup")
         merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
     else:

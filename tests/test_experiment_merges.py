@@ -70,6 +70,17 @@ def test_bench_kda_from_json_header_and_duplicates(tmp_path):
     assert "| 1×64×1×16 | fla | fwd | 0.50 | — | — |" in md            # do_bench rows have no min/max
     r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a.json'}", "--out=", cwd=repo)
     assert r.returncode != 0 and "two timing rows" in r.stderr, r.stderr[-2000:]
+    # A re-run merged after the first: its row replaces the first file's, other rows stay.
+    (tmp_path / "b.json").write_text(json.dumps(dict(environment=dict(env, date="2026-12-02T00:00:00+00:00"),
+                                                     rows=[dict(row, median_ms=0.25)])))
+    r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a_fla.jsonl'},{tmp_path / 'b.json'}",
+                   "--from_json_later_wins", f"--out={tmp_path / 'w'}", cwd=repo)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "w.md").read_text()
+    assert "| 1×64×1×16 | chunked | fwd | 0.25 |" in md and "| chunked | fwd | 1.00 |" not in md, md
+    assert "| 1×64×1×16 | fla | fwd | 0.50 |" in md and md.startswith("# KDA timings (2026-12-02"), md
+    sources = {r["implementation"]: r["source"] for r in json.loads((tmp_path / "w.json").read_text())["rows"]}
+    assert sources == {"chunked": "b.json", "fla": "a_fla.jsonl"}
 
 
 def test_moe_balance_finds_used_run_directories(tmp_path):
