@@ -18,6 +18,9 @@
   wait
   python -m experiments.moe_balance --merge=$OUT/gpu0/moe_balance_gpu0.json,$OUT/gpu1/moe_balance_gpu1.json \
       --out=$OUT/results --name=moe_balance_h200x2
+  # re-runs and missing seeds later: one --merge with --merge_later_wins (a later file's (method, seed)
+  # replaces the earlier row; the .md lists what was replaced). The committed table,
+  # experiments/results/moe_balance_h200.md, is such a merge of the files in moe_balance_h200_runs/.
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
 loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
@@ -325,6 +328,9 @@ def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None
     if meta.get("processes"):
         lines[2:2] = [f"Merged from {len(meta['processes'])} processes (rows concatenated; elapsed = the longest):", "",
                       *[f"- {_process_line(p)}" for p in meta["processes"]], ""]
+    if meta.get("replaced"):  # --merge_later_wins: which earlier rows a re-run replaced
+        lines[2:2] = ["Rows replaced by a later file (--merge_later_wins): " + "; ".join(
+            f"{m} seed {sd} by {os.path.basename(f)}" for m, sd, f in meta["replaced"]) + ".", ""]
     for method, runs in results.items():
         col = lambda k: [r[k] for r in runs]  # noqa: E731
         lines.append(

@@ -124,6 +124,8 @@ def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
     results, meta = moe_balance.merge_results([a + ".json", b + ".json"], later_wins=True)
     assert [r["val_loss"] for r in results["none"]] == [3.1]
     assert meta["replaced"] == [["none", 0, b + ".json"]]
+    moe_balance.write_results(results, meta, a + "_merged")
+    assert "Rows replaced by a later file (--merge_later_wins): none seed 0 by b.json." in open(a + "_merged.md").read()
     other = _meta("d", "1", ["aux_loss"], [], 1.0)
     other["steps"] = 3
     moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, other, b)
