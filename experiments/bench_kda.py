@@ -4,7 +4,8 @@ Method (DESIGN.md "Performance method"): each implementation is jitted once per 
 calls, every timed call gets FRESH random inputs (generated before the clock starts, never zeros),
 is synchronised with `block_until_ready`, and the median of >= 20 calls is reported. Inputs follow
 the ANCHORS.md recipe: q ~ N(0,1), k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)),
-beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op. fwd+bwd = value_and_grad of
+beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op (--declared_lower_bound=none times the
+exact unbounded-gate paths of chunked / pallas on the same inputs; rows record it). fwd+bwd = value_and_grad of
 sum(o * do) w.r.t. q, k, v, g, beta.
 
 Implementations: "recurrent" (fp32 oracle), "chunked" (XLA chunk form), "pallas" (when
@@ -59,7 +60,23 @@ flags.DEFINE_integer("check_max_t", 2048, "accuracy check: the first min(T, this
 flags.DEFINE_bool("fla", False, "also time fla's chunk_kda(safe_gate=True, lower_bound=-5) in a torch "
                   "subprocess of this call (needs torch + CUDA + flash-linear-attention)")
 
-LOWER_BOUND = -5.0
+flags.DEFINE_string("declared_lower_bound", "-5", "lower_bound declared to the chunked and pallas ops: a "
+                    "number in [-5, 0) or 'none' (the exact path for unbounded gates; the inputs are the same "
+                    "g = -5 sigmoid(N(0,1)), which any path must get right). Peers always run their own way.")
+
+
+def declared_lower_bound() -> float | None:
+    """--declared_lower_bound as the ops take it (None = unbounded gates)."""
+    v = FLAGS.declared_lower_bound.strip().lower()
+    if v == "none":
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        raise ValueError(f"--declared_lower_bound must be a number in [-5, 0) or 'none'; got {v!r}") from None
+    if not -5.0 <= x < 0.0:
+        raise ValueError(f"--declared_lower_bound must be a number in [-5, 0) or 'none'; got {x}")
+    return x
 
 
 def make_inputs(key, B, T, H, K, dtype):
@@ -103,7 +120,7 @@ def implementations(chunk_size: int) -> dict[str, Callable]:
     out = {
         "recurrent": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent")[0],
         "chunked": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="chunked",
-                                                lower_bound=LOWER_BOUND, chunk_size=chunk_size)[0],
+                                                lower_bound=declared_lower_bound(), chunk_size=chunk_size)[0],
     }
     if jax.default_backend() == "gpu":
         try:  # peer: jax-linear-attention's Mosaic GPU KDA (its own gate/beta conventions as in ANCHORS)
@@ -115,7 +132,7 @@ def implementations(chunk_size: int) -> dict[str, Callable]:
     try:
         import pallas_kernels.kda.ops  # noqa: F401
         out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas",
-                                                     lower_bound=LOWER_BOUND, chunk_size=chunk_size,
+                                                     lower_bound=declared_lower_bound(), chunk_size=chunk_size,
                                                      interpret=interpret)[0]
     except ImportError:
         pass
@@ -278,8 +295,10 @@ def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
 def _row_key(r: dict) -> tuple:
     """What makes two rows the same measurement (check rows: implementation and shape)."""
     if r["mode"] == "check":
-        return (r["implementation"], "check", r.get("shape"), r.get("B"), r.get("T"), r.get("H"), r.get("K"))
-    return (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"))
+        return (r["implementation"], "check", r.get("shape"), r.get("B"), r.get("T"), r.get("H"), r.get("K"),
+                r.get("lower_bound", -5.0))
+    return (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"),
+            r.get("lower_bound", -5.0))
 
 
 def _ms(x) -> str:
@@ -297,6 +316,7 @@ def check_flags():
     Raises:
       ValueError: naming the flag and the accepted values.
     """
+    declared_lower_bound()
     if not FLAGS.modes or set(FLAGS.modes) - set(MODES):
         raise ValueError(f"--modes: choose from {MODES}; got {FLAGS.modes}")
     unknown = sorted(set(FLAGS.implementations) - set(KNOWN_IMPLEMENTATIONS))
@@ -324,13 +344,15 @@ def time_all():
                 errs = check_errors(ops[name], B, min(T, FLAGS.check_max_t), H, K, dtype)
                 print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_fp32_recurrent=errs)), flush=True)
                 rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K,
-                                 check_T=min(T, FLAGS.check_max_t), rms_ratio_vs_fp32_recurrent=errs))
+                                 check_T=min(T, FLAGS.check_max_t), rms_ratio_vs_fp32_recurrent=errs,
+                                 lower_bound=declared_lower_bound()))
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
                               iters=FLAGS.iters, warmup=FLAGS.warmup)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
-                           chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup, **r)
+                           chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup,
+                           lower_bound=declared_lower_bound(), **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if FLAGS.out:  # keep partial results if the run is cut short
@@ -357,11 +379,12 @@ def main(argv):
         merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
     else:
         dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
+    declared = "/".join(dict.fromkeys(str(r.get("lower_bound", -5.0)) for r in timed)) or "-5.0"
     fla_note = " (fla rows: triton do_bench medians)" if any(r["implementation"] == "fla" for r in rows) else ""
     lines = [f"# KDA timings ({env['date']})", "",
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {dtype} q/k/v/beta, fp32 g = "
-             f"-5 sigmoid(N(0,1)), lower_bound -5 declared; median of {iters} calls with fresh inputs "
+             f"-5 sigmoid(N(0,1)), lower_bound {declared} declared to chunked / pallas; median of {iters} calls with fresh inputs "
              f"after {warmup if warmup != '?' else 'some'} warm-up calls{fla_note}.{merged}", "",
              "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
     for r in [r for r in rows if r["mode"] == "check"]:

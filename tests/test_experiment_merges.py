@@ -95,6 +95,7 @@ def test_moe_balance_finds_used_run_directories(tmp_path):
 def test_bench_kda_rejects_flag_typos_before_timing(tmp_path):
     repo = __file__.rsplit("/tests/", 1)[0]
     for flag, message in (("--modes=fwd,bwd", "--modes"), ("--implementations=chunkd", "--implementations"),
-                          ("--shapes=1x64x1", "--shapes")):
+                          ("--shapes=1x64x1", "--shapes"), ("--declared_lower_bound=-7", "--declared_lower_bound"),
+                          ("--declared_lower_bound=unbounded", "--declared_lower_bound")):
         r = _bench_kda(flag, "--out=", cwd=repo)
         assert r.returncode != 0 and message in r.stderr, (flag, r.stderr[-1000:])
