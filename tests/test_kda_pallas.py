@@ -346,6 +346,28 @@ class TestSupported:
         with pytest.raises(ValueError, match="lower_bound"):
             ops.kda_pallas(*_args(x), lower_bound=-8.0, interpret=True)
 
+    def test_default_implementation_rule(self, monkeypatch):
+        # implementation=None's rule, with the backend faked: the kernel only compiled on compute
+        # capability 9.0 and only for calls `supported` accepts (this test does not run a kernel).
+        from k3jax.ops import kda as kda_module
+
+        class FakeDevice:
+            def __init__(self, cc):
+                self.compute_capability = cc
+        q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+        beta = jax.ShapeDtypeStruct((1, 128, 2), jnp.bfloat16)
+        g = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.float32)
+
+        def covers(cc, backend="gpu", interpret=False, chunk_size=64, lower_bound=-5.0):
+            monkeypatch.setattr(kda_module.jax, "default_backend", lambda: backend)
+            monkeypatch.setattr(kda_module.jax, "devices", lambda *a: [FakeDevice(cc)])
+            return kda_module._pallas_covers(q, q, q, g, beta, lower_bound=lower_bound, segment_ids=None,
+                                             chunk_size=chunk_size, initial_state=None, interpret=interpret)
+        assert covers("9.0") and covers("9.0", lower_bound=None)
+        assert not covers("8.0") and not covers("10.0") and not covers(None)
+        assert not covers("9.0", backend="cpu") and not covers("9.0", interpret=True)
+        assert not covers("9.0", chunk_size=32)          # refused by `supported`: the chunked op runs
+
     def test_default_implementation_off_the_h200_is_the_chunked_op(self):
         # None picks the kernel only compiled on a compute-capability-9.0 GPU (where its gpu tests
         # ran); here (CPU, or any other GPU) it is the chunked op.
@@ -496,15 +518,12 @@ class TestPallasGPU(TestPallasInterpret):
         if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
             pytest.skip("implementation=None picks the kernel only on compute capability 9.0")
         x = make_kda_inputs(jax.random.PRNGKey(11), 1, 256, 2, 128, dtype=jnp.bfloat16)
-        o_default, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0))(_args(x))
-        o_pallas, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0, implementation="pallas"))(_args(x))
-        o_chunked, _ = jax.jit(lambda a: kda(*a, lower_bound=-5.0, implementation="chunked"))(_args(x))
-        np.testing.assert_array_equal(np.asarray(o_default, np.float32), np.asarray(o_pallas, np.float32))
-        assert not np.array_equal(np.asarray(o_default, np.float32), np.asarray(o_chunked, np.float32))
-        # Unbounded gates: None stays the chunked op until the exact path has run here (k3jax.ops.kda).
-        o_default, _ = jax.jit(lambda a: kda(*a, lower_bound=None))(_args(x))
-        o_chunked, _ = jax.jit(lambda a: kda(*a, lower_bound=None, implementation="chunked"))(_args(x))
-        np.testing.assert_array_equal(np.asarray(o_default, np.float32), np.asarray(o_chunked, np.float32))
+        for lb in (-5.0, None):      # bounded gates, and the exact path for unbounded ones
+            o_default, _ = jax.jit(lambda a: kda(*a, lower_bound=lb))(_args(x))
+            o_pallas, _ = jax.jit(lambda a: kda(*a, lower_bound=lb, implementation="pallas"))(_args(x))
+            o_chunked, _ = jax.jit(lambda a: kda(*a, lower_bound=lb, implementation="chunked"))(_args(x))
+            np.testing.assert_array_equal(np.asarray(o_default, np.float32), np.asarray(o_pallas, np.float32))
+            assert not np.array_equal(np.asarray(o_default, np.float32), np.asarray(o_chunked, np.float32))
 
     def test_million_tokens_finite(self):
         T, W = 1 << 20, 4096
