@@ -152,7 +152,10 @@ def jitted(op: Callable, mode: str) -> Callable:
 FLA_SCRIPT = r"""
 import json, sys, torch
 from triton.testing import do_bench
+import fla
 from fla.ops.kda import chunk_kda
+versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
+                triton=__import__("triton").__version__)
 rows = []
 for shape in sys.argv[1].split(","):
     B, T, H, K = (int(x) for x in shape.lower().split("x"))
@@ -172,8 +175,8 @@ for shape in sys.argv[1].split(","):
     fwdbwd = do_bench(fb, warmup=50, rep=200, return_mode="median")
     for mode, ms in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
         rows.append(dict(implementation="fla", mode=mode, B=B, T=T, H=H, K=K, V=K, dtype="bfloat16",
-                         chunk_size=64, median_ms=ms, min_ms=float("nan"), max_ms=float("nan"),
-                         iters="do_bench", compile_s=float("nan")))
+                         chunk_size=64, median_ms=ms, min_ms=None, max_ms=None,
+                         iters="do_bench", compile_s=None, versions=versions))
     print("ROW" + json.dumps(rows[-2]) + "\nROW" + json.dumps(rows[-1]), flush=True)
 """
 
@@ -380,7 +383,10 @@ def main(argv):
     else:
         dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
     declared = "/".join(dict.fromkeys(str(r.get("lower_bound", -5.0)) for r in timed)) or "-5.0"
-    fla_note = " (fla rows: triton do_bench medians)" if any(r["implementation"] == "fla" for r in rows) else ""
+    fla_versions = sorted({", ".join(f"{k} {v}" for k, v in r["versions"].items())
+                           for r in rows if r["implementation"] == "fla" and r.get("versions")})
+    fla_note = (" (fla rows: triton do_bench medians" + (f"; {' / '.join(fla_versions)}" if fla_versions else "")
+                + ")") if any(r["implementation"] == "fla" for r in rows) else ""
     lines = [f"# KDA timings ({env['date']})", "",
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {dtype} q/k/v/beta, fp32 g = "

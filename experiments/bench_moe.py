@@ -31,7 +31,8 @@ from experiments.runtime import median_ms, package_versions
 
 VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention", "torch")  # recorded with the results
 
-_OUT = flags.DEFINE_string("out", "experiments/results/moe_gemm", "Output path prefix (.json, .md).")
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_moe/moe_gemm", "Output path prefix (.json, .md); the "
+                           "committed table is --out=experiments/results/moe_gemm_h200.")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed runs per GEMM measurement (median reported).")
 _M = flags.DEFINE_integer("m", 32768, "Routed rows.")
 _K = flags.DEFINE_integer("k", 2048, "Contraction size.")

@@ -73,7 +73,8 @@ def _define_flags():
         "the number of units of the model.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
     flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
-    flags.DEFINE_string("out", "experiments/results/depth_residuals", "Output prefix (.json/.md/_*.png).")
+    flags.DEFINE_string("out", "/tmp/k3jax_depth_residuals/depth_residuals", "Output prefix (.json/.md/_*.png); "
+                        "the committed result is --out=experiments/results/depth_residuals.")
     flags.DEFINE_bool("isolate", True, "One subprocess per (variant, depth): per-config peak memory.")
     flags.DEFINE_bool("reuse", True, "Reuse a (variant, depth) result already in --workdir with the "
                       "same settings (resume an interrupted sweep).")

@@ -46,7 +46,8 @@ flags.DEFINE_integer("long_seq_len", 2 ** 17, "tokens of the long-sequence run (
 flags.DEFINE_integer("long_heads", 2, "heads of the long-sequence run")
 flags.DEFINE_list("chunk_sizes", ["16", "32", "64"], "chunk sizes")
 flags.DEFINE_integer("seed", 0, "PRNG seed")
-flags.DEFINE_string("out_dir", "experiments/results", "where to write gate_stability.{json,md,png}")
+flags.DEFINE_string("out_dir", "/tmp/k3jax_gate_stability", "where to write gate_stability.{json,md,png} (the "
+                    "committed result: --out_dir=experiments/results)")
 flags.DEFINE_string("tag", "", "suffix of the output file names (e.g. _gpu)")
 flags.DEFINE_string("from_json", "", "only rewrite the table and plot from this earlier JSON output")
 

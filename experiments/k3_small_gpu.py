@@ -53,7 +53,7 @@ _BASE_BUDGET = flags.DEFINE_float("baseline_time_budget_s", 150.0, "Wall-clock s
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 8192, "n of the n x n x n bf16 GEMMs that measure the rate.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 10, "Timed GEMMs (median reported).")
 _TINY = flags.DEFINE_bool("tiny", False, "CPU smoke size: d_model 64, 4 layers, 4 experts, 2 x 128 tokens.")
-_OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go (with --tiny and no "
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_k3_small_gpu", "Where the JSON/markdown/plot go (with --tiny and no "
                            "--out: /tmp/k3_small_tiny, so a smoke run never overwrites the committed results).")
 _NAME = flags.DEFINE_string("name", "k3_small_h200", "Output file stem.")
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/k3_small_runs", "Run directories: <root>/<model>.")

@@ -24,10 +24,10 @@
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
 loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
-same-step threshold diversion, and capacity factor 1.0 / 1.25 (with the Switch aux loss); plus two QB
+same-step threshold diversion, and capacity factor 1.0 / 1.25 (with the Switch aux loss); plus three QB
 diagnostics from experiments/results/qb_convergence.md: "quantile_histogram_2pass" (a second
-histogram inside the quantile's bin, bins² resolution, against the 1000-bin stall at MaxVio 0.2-0.5)
-and "quantile_exact_ema0.9" (EMA 0.9 of the bias: its MaxVio_global separates batch-to-batch content
+histogram inside the quantile's bin, bins² resolution, against the 1000-bin stall at MaxVio 0.2-0.5),
+"quantile_exact_ema0.9" (EMA 0.9 of the bias: its MaxVio_global separates batch-to-batch content
 shift, which EMA averages out, from router drift, which EMA lags) and "quantile_exact_iter4" (four dual
 steps per training step instead of one: the remedy qb_convergence.md measured against drift, 0.43 ->
 0.24 on its synthetic router). `--methods` takes any subset, so
@@ -104,7 +104,8 @@ def _define_flags():
     _WARMUP = flags.DEFINE_float("warmup_frac", 0.25, "MaxVio_batch is averaged over steps after this fraction.")
     _ROOT = flags.DEFINE_string("workdir_root", "runs/moe_balance", "Run directories: <root>/<method>/seed<s>; "
                                 "must not hold runs of this plan yet (the trainer would resume them).")
-    _OUT = flags.DEFINE_string("out", "experiments/results", "Where the JSON/markdown/plot go.")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_moe_balance", "Where the JSON/markdown/plot go (the "
+                                     "committed table: --out=experiments/results --name=moe_balance_h200).")
     _ORDER = flags.DEFINE_enum("order", "seed_major", ["seed_major", "method_major"],
                                "seed_major: seed 0 of every method first (a cut keeps every method).")
     _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting runs that would end past this many "

@@ -25,7 +25,8 @@ from experiments.runtime import median_ms, package_versions
 
 VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention")  # recorded with the results
 
-_OUT = flags.DEFINE_string("out", "experiments/results/moe_ep", "Output path prefix (.json, .md).")
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_moe_ep/moe_ep", "Output path prefix (.json, .md); the committed "
+                           "table is --out=experiments/results/moe_ep_h200x2.")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per call (batch x T).")
 _BATCH = flags.DEFINE_integer("batch", 16, "Sequences per call; must divide by the device count.")
 _D = flags.DEFINE_integer("d_model", 2048, "Model width D.")

@@ -48,7 +48,8 @@ def _define_flags():
     """Command-line flags, defined only when run as a script (so that importing this module, e.g. from
     a test next to other experiment modules, defines no absl flags that could collide)."""
     global _OUT, _D, _E, _K, _SCALE, _POP, _N, _STEPS, _WARMUP, _DOCS, _SEED, _FROM_JSON
-    _OUT = flags.DEFINE_string("out", "experiments/results/qb_convergence", "output path prefix (.json/.md/.png)")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_qb_convergence/qb_convergence", "output path prefix "
+                                  "(.json/.md/.png); the committed result: --out=experiments/results/qb_convergence")
     _D = flags.DEFINE_integer("d", 128, "router input dimension d")
     _E = flags.DEFINE_integer("num_experts", 32, "experts E")
     _K = flags.DEFINE_integer("top_k", 4, "experts per token k")

@@ -19,7 +19,8 @@ the DEMAND MaxVio (plain top-k of the router, what `none` would route) next to t
 "the method shed load but the router concentrated" can be told apart from "the method made it worse".
 The demand statistic is read by wrapping `k3jax.ops.routing.balance` inside this script only.
 
-Writes a JSON next to `--out` (default experiments/results/quantile_threshold_study.json).
+Writes a JSON to $QT_STUDY_OUT (default /tmp/k3jax_quantile_threshold_study/quantile_threshold_study.json;
+the committed one: QT_STUDY_OUT=experiments/results/quantile_threshold_study.json).
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
 
 def main(argv):
     mode = argv[1] if len(argv) > 1 else "synthetic"
-    out = os.environ.get("QT_STUDY_OUT", "experiments/results/quantile_threshold_study.json")
+    out = os.environ.get("QT_STUDY_OUT", "/tmp/k3jax_quantile_threshold_study/quantile_threshold_study.json")
     data = json.load(open(out)) if os.path.exists(out) else {}
     if mode == "synthetic":
         data["synthetic"] = synthetic_study()
@@ -169,6 +170,7 @@ def main(argv):
     else:
         raise ValueError(f"mode must be synthetic or train; got {mode!r}")
     data["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(data, f, indent=1)
 

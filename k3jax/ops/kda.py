@@ -124,15 +124,15 @@ def kda(
       lower_bound: the caller's promise that g >= lower_bound (in [-5, 0)); lets the chunked op use a
         single bf16 GEMM per 16-token diagonal tile. None = exact path for any g <= 0.
       chunk_size: chunk length for "chunked" (power of two >= 16).
-      implementation: None = "pallas" where its GPU tests cover the call (a CUDA device of compute
-        capability 9.0, i.e. H100 / H200, interpret=False, and `pallas_kernels.kda.ops.supported`
-        true), else "chunked" (fail-closed: never a call the kernel was not tested for);
+      implementation: None = "pallas" where its GPU tests cover the call (compiled, i.e.
+        interpret=False, on a CUDA device of compute capability 9.0 — the tests ran on an H200 —
+        and `pallas_kernels.kda.ops.supported` true: bounded or unbounded gates, segment_ids,
+        states), else "chunked" (fail-closed: never a call the kernel was not tested for);
         "recurrent" (the fp32 oracle, O(T) sequential steps), "chunked" (XLA chunk form) or
         "pallas" (pallas_kernels.kda.ops.kda_pallas, with use_qk_l2norm done by XLA before it; an
-        explicit request it does not cover, e.g. chunk_size=32, raises). With lower_bound=None None
-        stays "chunked" (the kernel's exact unbounded path is not yet GPU-tested); an explicit
-        "pallas" runs it.
-      interpret: run the Pallas kernel in interpret mode (CPU); ignored by the other implementations.
+        explicit request it does not cover, e.g. chunk_size=32, raises).
+      interpret: run the Pallas kernel in interpret mode (CPU); with implementation=None it keeps
+        the dispatch off the kernel; ignored by "recurrent" and "chunked".
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
