@@ -107,9 +107,12 @@ _SMALL = dict(q=(1, 20, 2, 8), k=(1, 20, 2, 8), v=(1, 20, 2, 6), g=(1, 20, 2, 8)
     ("k", dict(k=(1, 20, 2, 7))), ("v", dict(v=(1, 19, 2, 6))), ("g", dict(g=(1, 20, 3, 8))),
     ("beta", dict(beta=(1, 20))), ("initial_state", dict(initial_state=(1, 2, 6, 8))),
     ("segment_ids", dict(segment_ids=(1, 21))), ("q", dict(q=(20, 2, 8))),
+    ("q", dict(q=(1, 0, 2, 8), k=(1, 0, 2, 8), v=(1, 0, 2, 6), g=(1, 0, 2, 8), beta=(1, 0, 2))),
 ])
-@pytest.mark.parametrize("implementation", ["recurrent", "chunked"])
+@pytest.mark.parametrize("implementation", ["recurrent", "chunked", "pallas"])
 def test_bad_shapes_raise_naming_the_argument(arg, change, implementation):
+    # "pallas": the shared checks run before dispatch (interpret=True, lower_bound declared, so that
+    # only the shape is wrong).
     shapes = _SMALL | change
     arrays = {n: jnp.zeros(s) for n, s in shapes.items() if n in _SMALL}
     kwargs = {}
@@ -117,6 +120,8 @@ def test_bad_shapes_raise_naming_the_argument(arg, change, implementation):
         kwargs["initial_state"] = jnp.zeros(shapes["initial_state"])
     if "segment_ids" in shapes:
         kwargs["segment_ids"] = jnp.zeros(shapes["segment_ids"], jnp.int32)
+    if implementation == "pallas":
+        kwargs.update(interpret=True, lower_bound=-5.0)
     with pytest.raises(ValueError, match=arg):
         kda(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"], implementation=implementation,
             **kwargs)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.kda_chunked import kda_chunked, validate_chunk_size, validate_lower_bound
-from k3jax.ops.kda_reference import kda_recurrent, l2_normalize
+from k3jax.ops.kda_reference import kda_recurrent, l2_normalize, validate_kda_inputs
 
 __all__ = ["kda", "kda_gate", "kda_gate_init", "kda_chunked", "kda_recurrent", "kda_decode_step", "IMPLEMENTATIONS"]
 
@@ -148,6 +148,9 @@ def kda(
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; got {implementation=}")
     validate_lower_bound(lower_bound)
     validate_chunk_size(chunk_size)
+    # Every implementation gets the same shape / dtype checks (ValueError naming the argument) before
+    # dispatch, so an explicit "pallas" call never fails inside a kernel on a bad shape.
+    validate_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, scale=scale)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm)
     if implementation is None and _pallas_covers(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,
