@@ -32,7 +32,12 @@ the kernel as shipped), so `ms(none) - ms(piece)` is what the piece costs in con
 --ablate_kernels (intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, intra_bwd, ...; a name a
 kernel does not know is skipped for it; intra_fwd_split and intra_bwd_split time both of
 their pallas_calls, with the real options bf16_dots, gate_cumsum and, for intra_bwd_split,
-compact as "ablations"), each at every --ablate_warps value. Inputs are random of the right shapes
+compact and tile_state as "ablations"; intra_bwd_a and intra_bwd_b are the split backward's two
+pallas_calls timed apart, each with the options the default op uses (bf16 dots, XLA gate cumsum,
+compact kernel b): kernel a with its private ablations bwd.A_ABLATIONS (state_products, dXY, dA,
+dL, exact_dots, compute) and the real option tile_state (state products over V blocks of
+bwd.STATE_BLOCK_V = 64; tile_state32: blocks of 32), kernel b with none), each at every
+--ablate_warps value. Inputs are random of the right shapes
 and dtypes (the kernels' times do not depend on the values). All rows are lowered and compiled in
 --compile_threads threads first, then timed one by one in order; --time_budget_s stops the run (the
 JSON keeps the rows done).
@@ -83,13 +88,14 @@ flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as 
                   "both); empty = the normal rows")
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
                   "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
-                  "state_fwd_vp, output_fwd, intra_bwd, intra_bwd_split")
+                  "state_fwd_vp, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, intra_bwd_b")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
                   "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
-                  "at --check_shape): 'base' (the defaults), 'round2' (all off) or '+'-joined names (on over round2) from split_bwd, par_out, "
-                  "bf16_state, bf16_intra, xla_cumsum, split_fwd, compact_bwd")
+                  "at --check_shape): 'base' (the defaults), 'round2' (all off), '+'-joined names (on over "
+                  "round2) from split_bwd, par_out, bf16_state, bf16_intra, xla_cumsum, split_fwd, "
+                  "compact_bwd, tile_state, or 'base+' followed by such names (on over the defaults)")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
                    "seconds since the start (0 = no limit)")
@@ -245,35 +251,48 @@ def time_op(name, fn, B, T, H, K, iters, warmup):
 # Kernel rows: the kernels' private ablations, plus "gate_cumsum" (a real option, not an ablation:
 # the kernel reads the chunk cumsum G instead of g; the XLA cumsum is not in the kernel row).
 # "compact" (intra_bwd_split only) is the real option compact_offdiag (kernel b row block by row
-# block); the *_split kernels time both of their pallas_calls in one row.
+# block); the *_split kernels time both of their pallas_calls in one row. "tile_state"
+# (intra_bwd_split, intra_bwd_a) is the real option state_block_v = bwd.STATE_BLOCK_V (kernel a's
+# state products over V blocks; "tile_state32": blocks of 32, intra_bwd_a only). intra_bwd_a /
+# intra_bwd_b: the two kernels of intra_bwd_split on their own, always with the default op's
+# options (bf16_dots, gate_cumsum, compact_offdiag); kernel b has no ablation (row "none" only).
 ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_fwd_save": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_fwd_split": ("bf16_dots", "gate_cumsum"),
                   "state_fwd": common.STATE_ABLATIONS,
                   "intra_bwd": common.BWD_ABLATIONS + ("gate_cumsum",),
-                  "intra_bwd_split": ("bf16_dots", "gate_cumsum", "compact"),
+                  "intra_bwd_split": ("bf16_dots", "gate_cumsum", "compact", "tile_state"),
+                  "intra_bwd_a": bwd.A_ABLATIONS + ("tile_state", "tile_state32"),
+                  "intra_bwd_b": (),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
-# --variants: "base" = ops.KernelOptions() (the defaults: every option on since 2026-12-01),
-# "round2" = ops.ROUND2_OPTIONS (every option off), or '+'-joined short names of the options to turn
-# ON over round 2 ("a+b" sets both). Result JSONs before 2026-12-01 03:00 UTC (kda_ab_round3_h200.json
+# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options on since
+# 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of the
+# options to turn ON over round 2 ("a+b" sets both), or "base+a[+b]": those turned ON over the
+# defaults (e.g. "base+tile_state"). Result JSONs before 2026-12-01 03:00 UTC (kda_ab_round3_h200.json
 # included) wrote "base" for the then-default all-off kernels, i.e. today's "round2".
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
-                  "compact_bwd": "compact_offdiag_bwd"}
+                  "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd"}
+# Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
+TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
 
 def variant_options(spec: str) -> ops.KernelOptions:
-    """ops.KernelOptions of a --variants spec ("base", "round2", or field short names joined by '+',
-    each turned on over ops.ROUND2_OPTIONS)."""
+    """ops.KernelOptions of a --variants spec: "base" (ops.KernelOptions()), "round2"
+    (ops.ROUND2_OPTIONS), field short names joined by '+' (each turned on over ops.ROUND2_OPTIONS),
+    or "base+" and such names (each turned on over ops.KernelOptions()).
+    Raises: ValueError naming the spec for an unknown name."""
     if spec == "base":
         return ops.KernelOptions()
-    names = [] if spec == "round2" else spec.split("+")
+    start, rest = ((ops.KernelOptions(), spec[len("base+"):]) if spec.startswith("base+")
+                   else (ops.ROUND2_OPTIONS, spec))
+    names = [] if rest == "round2" else rest.split("+")
     bad = [n for n in names if n not in VARIANT_FIELDS]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base', 'round2' or '+'-joined "
-                         f"names from {tuple(VARIANT_FIELDS)}")
-    return dataclasses.replace(ops.ROUND2_OPTIONS, **{VARIANT_FIELDS[n]: True for n in names})
+        raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base', 'round2', '+'-joined "
+                         f"names from {tuple(VARIANT_FIELDS)} or 'base+' and such names")
+    return dataclasses.replace(start, **{VARIANT_FIELDS[n]: True for n in names})
 
 
 def profile_inputs(B, T, H, K):
@@ -294,7 +313,15 @@ def profile_inputs(B, T, H, K):
     A, M = nrm(9, (B, H, T, C), jnp.float32, 0.1), nrm(10, (B, H, T, C), jnp.float32, 0.1)
     qg, kd, w, u, aqk, gl = fac
     bwd_in = (q, k, v, g, beta, do, du, h, dh, w, u, A, M)
-    return {"intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
+    # Kernel a / b on their own read the chunk cumsum G (the default op's XLA gate cumsum); kernel
+    # b's other inputs are kernel a's fp32 outputs (head-major).
+    kb = jax.random.split(jax.random.PRNGKey(2), 6)
+    f32 = lambda i, shp, s=1.0: s * jax.random.normal(kb[i], shp, jnp.float32)
+    G = common.chunk_cumsum(g, C)
+    bwd_b_in = (q, k, G, f32(0, (B, H, T, K)), f32(1, (B, H, T, K)), f32(2, (B, H, T, K)),
+                f32(3, (B, H, NT, K)), f32(4, (B, H, T, C), 0.1), f32(5, (B, H, T, C), 0.1))
+    return {"intra_bwd_a": (q, k, v, G, beta, do, du, h, dh, w, u, A, M), "intra_bwd_b": bwd_b_in,
+            "intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
             "intra_fwd_split": (q, k, v, g, beta),
             "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
@@ -335,10 +362,23 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
     if kernel == "intra_bwd":
         return lambda *a: bwd.intra_bwd(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                         gate_cumsum=gc, _ablate=ablate, _params=params)
+    tile = [TILE_STATE_BLOCKS[a] for a in ablate if a in TILE_STATE_BLOCKS]
+    state_block_v = tile[0] if tile else None
     if kernel == "intra_bwd_split":
         return lambda *a: bwd.intra_bwd_split(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
                                               bf16_dots="bf16_dots" in ablate, gate_cumsum=gc,
-                                              compact_offdiag="compact" in ablate, _params=params)
+                                              compact_offdiag="compact" in ablate,
+                                              state_block_v=state_block_v, _params=params)
+    if kernel == "intra_bwd_a":               # the default op's kernel a (bf16 dots, G from XLA)
+        priv = tuple(a for a in ablate if a not in TILE_STATE_BLOCKS)
+        return lambda *a: bwd.intra_bwd_a(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                          bf16_dots=True, gate_cumsum=True,
+                                          state_block_v=state_block_v, _ablate=priv,
+                                          _params=params)
+    if kernel == "intra_bwd_b":               # the default op's kernel b (compact, bf16 dots)
+        return lambda *a: bwd.intra_bwd_b(*a, scale=sc, chunk_size=CHUNK, interpret=interpret,
+                                          bf16_dots=True, gate_cumsum=True, compact_offdiag=True,
+                                          _params=params)
     raise ValueError(f"{kernel=} is not a profiled kernel; expected one of {tuple(ABLATION_NAMES)}")
 
 

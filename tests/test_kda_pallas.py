@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.kda import kda, kda_recurrent
-from pallas_kernels.kda import ops
+from pallas_kernels.kda import bwd, ops
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES,
                                assert_rms_close, kda_loss_and_grads, make_kda_inputs, rms_ratio)
 from tests.test_kda_ops import KDAImplementationTests
@@ -300,13 +300,16 @@ class TestSupported:
         assert not ok and word in why
 
     def test_unbounded_gates_need_the_default_options(self):
-        # lower_bound=None runs only with every KernelOptions field on (the exact diagonal tiles exist
-        # in intra_fwd_split + xla_gate_cumsum and the compact backward); any other set is refused,
-        # naming lower_bound and the options, and kda_pallas raises it.
+        # lower_bound=None runs only with the seven round-3 KernelOptions fields on (the exact diagonal
+        # tiles exist in intra_fwd_split + xla_gate_cumsum and the compact backward), tile_state_bwd
+        # either way (it changes only the backward's kernel a, which needs no bound); any other set
+        # is refused, naming lower_bound and the options, and kda_pallas raises it.
         assert ops.supported(*self._inputs(), lower_bound=None) == (True, "")
         assert ops.supported(*self._inputs(), lower_bound=None, options=ops.KernelOptions()) == (True, "")
-        off_one = [dataclasses.replace(ops.UNBOUNDED_OPTIONS, **{f.name: False})
-                   for f in dataclasses.fields(ops.KernelOptions)]
+        tiled = dataclasses.replace(ops.UNBOUNDED_OPTIONS, tile_state_bwd=True)
+        assert ops.supported(*self._inputs(), lower_bound=None, options=tiled) == (True, "")
+        off_one = [dataclasses.replace(opts, **{f.name: False}) for opts in (ops.UNBOUNDED_OPTIONS, tiled)
+                   for f in dataclasses.fields(ops.KernelOptions) if f.name != "tile_state_bwd"]
         for options in off_one + [ops.ROUND2_OPTIONS]:
             ok, why = ops.supported(*self._inputs(), lower_bound=None, options=options)
             assert not ok and "lower_bound" in why and "options" in why, options
@@ -421,6 +424,17 @@ class TestTritonLowering:
         unbounded = self._check_lowering(dtype, None, None, segments=segments, lower_bound=None)
         assert unbounded != self._check_lowering(dtype, None, None, segments=segments)
 
+    @pytest.mark.parametrize("segments, lower_bound", [(True, -5.0), (False, None)])
+    def test_lowers_for_cuda_tile_state_bwd(self, segments, lower_bound):
+        # Kernel a's state products over V blocks (ops.KernelOptions.tile_state_bwd; bf16 K = V = 128:
+        # 2 blocks of 64 with [64, K] row slices of the state refs and [C, 64] column slices of
+        # dO, dV', U, V and the dv output) lower for the faked H200, with segment_ids and for
+        # unbounded gates; same Triton call counts, and the option reaches the kernel.
+        tiled = self._check_lowering(jnp.bfloat16, None, "base+tile_state", segments=segments,
+                                     lower_bound=lower_bound)
+        assert tiled != self._check_lowering(jnp.bfloat16, None, None, segments=segments,
+                                             lower_bound=lower_bound)
+
     @staticmethod
     def _check_lowering(dtype, sequence_split, variants, segments, lower_bound=-5.0):
         """Lowers forward and gradient for CUDA, checks the Triton call counts; returns the gradient's
@@ -436,10 +450,13 @@ class TestTritonLowering:
         # Kernel counts relative to the round-2 kernels (ops.ROUND2_OPTIONS): the default (every
         # ops.KernelOptions field on) has +2 forward calls (output_fwd, intra_fwd_b) and +1 backward
         # (intra_bwd_b); "split_fwd+compact" (round 2 plus those two) +1 forward, +1 backward.
+        # "base+tile_state" (the default plus kernel a over V blocks) has the default's counts.
         options = {None: None, "round2": ops.ROUND2_OPTIONS,
                    "split_fwd+compact": dataclasses.replace(ops.ROUND2_OPTIONS, split_intra_fwd=True,
-                                                            compact_offdiag_bwd=True)}[variants]
-        extra_fwd, extra_bwd = {None: (2, 1), "round2": (0, 0), "split_fwd+compact": (1, 1)}[variants]
+                                                            compact_offdiag_bwd=True),
+                   "base+tile_state": dataclasses.replace(ops.KernelOptions(), tile_state_bwd=True)}[variants]
+        extra_fwd, extra_bwd = {None: (2, 1), "round2": (0, 0), "split_fwd+compact": (1, 1),
+                                "base+tile_state": (2, 1)}[variants]
 
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 
@@ -488,6 +505,27 @@ class TestProfilingAblations:
         x = make_kda_inputs(jax.random.PRNGKey(3), 1, 64, 1, 16)
         with pytest.raises(ValueError, match="_ablate"):
             fwd.intra_fwd(*_args(x), scale=0.25, chunk_size=64, interpret=True, _ablate=("dL",))
+        # Kernel a of the split backward takes only its own pieces (bwd.A_ABLATIONS); the split /
+        # tiled intra_bwd takes none (they go through intra_bwd_a).
+        bwd_in = _args(x) + [None] * 8
+        with pytest.raises(ValueError, match="_ablate"):
+            bwd.intra_bwd_a(*bwd_in, scale=0.25, chunk_size=64, interpret=True, _ablate=("score_diag",))
+        with pytest.raises(ValueError, match="_ablate"):
+            bwd.intra_bwd(*bwd_in, scale=0.25, chunk_size=64, interpret=True, state_block_v=16,
+                          _ablate=("dL",))
+
+    def test_variant_specs(self):
+        # --variants: "base" the defaults, "round2" all off, '+' names on over round 2, "base+" names on
+        # over the defaults; an unknown name raises naming the spec.
+        from experiments import bench_kda_kernels as bk
+        assert bk.variant_options("base") == ops.KernelOptions()
+        assert bk.variant_options("round2") == ops.ROUND2_OPTIONS
+        assert bk.variant_options("split_fwd+compact_bwd") == dataclasses.replace(
+            ops.ROUND2_OPTIONS, split_intra_fwd=True, compact_offdiag_bwd=True)
+        assert bk.variant_options("base+tile_state") == dataclasses.replace(ops.KernelOptions(),
+                                                                            tile_state_bwd=True)
+        with pytest.raises(ValueError, match="base\\+tile"):
+            bk.variant_options("base+tile")
 
     def test_no_ablation_is_the_shipped_kernel(self):
         from pallas_kernels.kda import fwd
@@ -500,6 +538,82 @@ class TestProfilingAblations:
         for a, b in zip(shipped, explicit):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         assert not np.array_equal(np.asarray(shipped[4], np.float32), np.asarray(ablated[4], np.float32))
+
+
+class TestTileStateBwd:
+    """ops.KernelOptions.tile_state_bwd: the backward's kernel a (bwd.intra_bwd_a) forms its state
+    products over V blocks of bwd.STATE_BLOCK_V columns instead of the whole [V, K] states. Same sums
+    with the contraction over V split into blocks: equal to the whole-state kernel up to fp32
+    rounding (interpret mode), at the kernel (every output of kernel a) and through the op (o, ht and
+    every gradient vs the same options without it)."""
+
+    @pytest.mark.parametrize("dtype, segments, blocks", [("float32", True, (bwd.STATE_BLOCK_V,)),
+                                                         ("bfloat16", False, (bwd.STATE_BLOCK_V, 32))])
+    def test_kernel_a_matches_whole_states(self, dtype, segments, blocks):
+        # V = 128: 2 blocks of 64 (and 4 of 32, the bench's tile_state32 row); random inputs of the
+        # layouts ops passes (bf16 with bf16 dots and the XLA gate cumsum, the default op's kernel
+        # a); every output of kernel a. The other two (dtype, segments) pairs run through the op in
+        # test_op_matches_whole_states. Measured (interpret, largest RMS ratio over the 8
+        # outputs): fp32 ~1e-7, bf16 ~2e-7 (fp32 accumulation order).
+        from pallas_kernels.kda import common
+        B, T, H, K, V, C = 1, 128, 2, 32, 128, 64
+        dt = jnp.dtype(dtype)
+        x = make_kda_inputs(jax.random.PRNGKey(40), B, T, H, K, V, dtype=dt)
+        G = common.chunk_cumsum(x["g"].astype(jnp.float32), C)
+        ks = jax.random.split(jax.random.PRNGKey(41), 8)
+        nrm = lambda i, shp, s=1.0: s * jax.random.normal(ks[i], shp, jnp.float32)
+        sdt = ops.saved_state_dtype(dt)
+        rows, cols = np.tril_indices(C, -1)
+        A = jnp.tile(jnp.eye(C) + jnp.zeros((C, C)).at[rows, cols].set(0.1 * nrm(0, (rows.size,))),
+                     (B, H, T // C, 1)).reshape(B, H, T, C)
+        M = nrm(1, (B, H, T, C), 0.3)
+        args = (x["q"], x["k"], x["v"], G, x["beta"], nrm(2, (B, T, H, V)).astype(dt),
+                nrm(3, (B, H, T, V)), nrm(4, (B, H, T // C, V, K)).astype(sdt),
+                nrm(5, (B, H, T // C, V, K)).astype(sdt), nrm(6, (B, H, T, K)), nrm(7, (B, H, T, V)), A, M)
+        seg = (common.document_offsets(_segment_ids([[0, 5, 6, 40, 64, 100, 127, 128]], T), C, T)
+               if segments else None)
+        kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True, bf16_dots=True, gate_cumsum=True,
+                  segments=seg)
+        whole = jax.jit(lambda *a: bwd.intra_bwd_a(*a, **kw))(*args)
+        names = ("dv", "dbeta", "dq", "dk", "dG", "dG_last", "dM", "dAqk")
+        for bv in blocks:
+            tiled = jax.jit(lambda *a: bwd.intra_bwd_a(*a, state_block_v=bv, **kw))(*args)
+            for name, r, t in zip(names, whole, tiled):
+                assert float(jnp.max(jnp.abs(r.astype(jnp.float32)))) > 0, name
+                assert_rms_close(f"{name} BV={bv}", r, t, 1e-6)
+        with pytest.raises(ValueError, match="state_block_v"):
+            bwd.intra_bwd_a(*args, state_block_v=48, **kw)
+
+    @pytest.mark.parametrize("dtype, segments, lower_bound", [("bfloat16", True, -5.0),
+                                                              ("float32", False, None)])
+    def test_op_matches_whole_states(self, dtype, segments, lower_bound):
+        # o, ht and every gradient with tile_state_bwd vs the same options without it (the default
+        # options; UNBOUNDED_OPTIONS for lower_bound=None): V = 128 (2 blocks), segment_ids
+        # (SEGMENT_CUTS) with bf16, unbounded softplus gates with fp32. Measured (interpret): o, ht,
+        # dv, dh0 bit-identical (the forward and the state pass are untouched), dq, dk, dbeta <= 2e-7,
+        # dg 1e-5 (bf16) / 5e-7 (fp32): fp32 rounding, amplified in dg by the reverse cumsum.
+        B, T, H, K, V = 2, 250, 1, 32, 128
+        x = make_kda_inputs(jax.random.PRNGKey(42), B, T, H, K, V, dtype=jnp.dtype(dtype),
+                            gate="bounded" if lower_bound is not None else "softplus")
+        seg = _segment_ids(SEGMENT_CUTS, T) if segments else None
+        if segments:
+            x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
+        do = jax.random.normal(jax.random.PRNGKey(43), (B, T, H, V))
+        dht = jax.random.normal(jax.random.PRNGKey(44), (B, H, K, V))
+        base = ops.KernelOptions()
+
+        def run(options):
+            kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
+                      segment_ids=seg)
+            return jax.jit(lambda x: kda_loss_and_grads(
+                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+        o0, ht0, g0 = run(base)
+        o, ht, grads = run(dataclasses.replace(base, tile_state_bwd=True))
+        np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
+        np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
+        tol = 1e-4 if dtype == "bfloat16" else 1e-5
+        for name in GRAD_NAMES:
+            assert_rms_close(f"tile_state {name}", g0[name], grads[name], tol)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,10 @@ gate cumsum): its diagonal tiles use the exact pairwise form (_own_block_bwd, ev
 bound: the reverse state pass only reads stored factors, and kernel a's (_state_solve_bwd) only
 exps are exp(G), exp(G_last - G), exp(G_last) and Gate.ea = exp(G - anc), all of non-positive
 numbers (it never forms Gate.eb / eb_own).
+With ops.KernelOptions.tile_state_bwd kernel a forms its state products over V blocks of
+STATE_BLOCK_V columns (_state_products_tiled: [BV, K] row slices of the saved state refs, [C, BV]
+column slices of dO, dV', U, V and dv), so that neither whole [V, K] fp32 state is live; the rest
+of kernel a (_solve_bwd) is shared with the whole-state form.
 """
 from __future__ import annotations
 
@@ -42,6 +46,17 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import common as cm
 from pallas_kernels.kda.common import F32
+
+
+# Kernel a's V block with ops.KernelOptions.tile_state_bwd (intra_bwd_a's state_block_v). 64: the
+# two live [BV, K] fp32 state blocks then take 2 x 64 x 128 x 4 B = 64 KiB per program (64 registers
+# per thread at 8 warps, half of the whole states' 128), the size of fla's largest dqkwg tile on
+# Hopper (BK 64 x BV 128), in 2 blocks of 7 dots each; BV = 32 would free 32 more registers per
+# thread at twice the dot count (28 small dots; round 3's compact kernel b showed that small dots
+# are not free). The bench times both (--ablate rows "tile_state" and "tile_state32").
+STATE_BLOCK_V = 64
+# The private profiling ablations of kernel a (intra_bwd_a): its pieces of common.BWD_ABLATIONS.
+A_ABLATIONS = ("state_products", "dXY", "dA", "dL", "exact_dots", "compute")
 
 
 def _state_bwd_kernel(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref,
@@ -114,13 +129,13 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
     [C, C] (lower incl. diagonal): the score gradients the score-tile backward consumes.
     seg: Segments of the chunk or None: the forward's selects (cm.Segments) applied to the
     gradients of the masked factors (Qg, Kd, e^{G_last}, X rows; dL and dAqk across documents).
+    The state products here take the whole [V, K] states (both live at once); _state_products_tiled
+    forms the same sums over [BV, K] row blocks of them (ops.KernelOptions.tile_state_bwd). The rest
+    is _solve_bwd, shared by both.
     """
     C = q.shape[0]
-    G, G_last = gate.G, gate.G_last
-    rows, cols = cm.iotas(C, C)
     ones = jnp.ones((1, C), F32)
     rs = cm.row_sums
-    X = cm.keep(b * jnp.exp(G) * k, seg, "row_in")
     Y = b * v
 
     # The state products: V' = U - W S;  dQg = dO S^T;  dW = -dV' S^T;  dKd = V' dS^T;
@@ -136,6 +151,90 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
         dkd = cm.dot(vp, dSt, p)
         daqk = cm.dot_nt(do, vp, p)
     dgl = jnp.sum(St * dSt, axis=0, keepdims=True)
+    # The V-side of U = A Y: dY = A^T dU, dv = beta dY; its parts of dbeta and of dA (dU Y^T).
+    dY = dU if "dXY" in ablate else cm.dot_tn(A, dU, p)
+    dbeta_v = jnp.sum(v * dY, axis=1, keepdims=True)
+    dA_u = None if "dA" in ablate else cm.dot_nt(dU, Y, p)
+    r = _solve_bwd(gate, q, k, b, A, M, dqg, dW, dkd, daqk, dgl, dA_u, dbeta_v, scale=scale, p=p,
+                   exact=exact, ablate=ablate, seg=seg)
+    r["dv"] = b * dY
+    return r
+
+
+def _state_products_tiled(q, k, b, A, w_ref, do_ref, du_ref, u_ref, v_ref, h_ref, dh_ref, dv_ref, *,
+                          block_v, p, ablate):
+    """The V-dependent half of _state_solve_bwd over V blocks of BV = block_v columns (a static
+    loop; ops.KernelOptions.tile_state_bwd), so that only [BV, K] row blocks of the two saved
+    [V, K] states are live at a time, never the whole states.
+
+    Block j (columns c in [j BV, (j + 1) BV)) loads St_j, dSt_j [BV, K] (row slices of h_ref,
+    dh_ref: the transposed states) and the column blocks do_j, dU_j, u_j, v_j [C, BV] of do_ref,
+    du_ref, u_ref, v_ref, and accumulates, in fp32 (same dots and precisions as the whole-state
+    form, contraction over V split into blocks; fla's chunk_kda backward loops over V blocks the
+    same way):
+      V'_j = u_j - W St_j^T;  dQg += do_j St_j;  dW -= dU_j St_j;  dKd += V'_j dSt_j;
+      dAqk += do_j V'_j^T;  d e^{G_last} += colsum(St_j * dSt_j);
+      dY_j = A^T dU_j (dv_j = beta dY_j is stored to dv_ref[:, block j]);
+      dbeta_v += rowsum(v_j * dY_j);  dA_u += dU_j (beta v_j)^T.
+    Args: q, k [C, K], beta [C, 1], A [C, C] (fp32 values); the refs of the kernel (w_ref [C, K]
+      is loaded per block, not held across blocks); block_v must divide V; p: the mm precision;
+      ablate: the profiling ablations "state_products", "dXY", "dA" (common.BWD_ABLATIONS).
+    Returns (dqg, dW, dkd [C, K], daqk [C, C], dgl [1, K], dA_u [C, C] or None with "dA",
+      dbeta_v [C, 1]), fp32, unmasked (_solve_bwd applies the document selects).
+    """
+    C, K = q.shape
+    V = h_ref.shape[0]
+    rs = cm.row_sums
+    ones = jnp.ones((1, C), F32)
+    dqg = dW = dkd = jnp.zeros((C, K), F32)
+    daqk = dA_u = jnp.zeros((C, C), F32)
+    dgl = jnp.zeros((1, K), F32)
+    dbeta_v = jnp.zeros((C, 1), F32)
+    for j in range(V // block_v):
+        cols = pl.ds(j * block_v, block_v)
+        St = h_ref[cols, :].astype(F32)
+        dSt = dh_ref[cols, :].astype(F32)
+        do = do_ref[:, cols].astype(F32)
+        dU = du_ref[:, cols].astype(F32)
+        u = u_ref[:, cols].astype(F32)
+        v = v_ref[:, cols].astype(F32)
+        if "state_products" in ablate:
+            vp = u
+            dqg = dqg + q * rs(do)
+            dW = dW - w_ref[...].astype(F32) * rs(dU)
+            dkd = dkd + k * rs(vp)
+            daqk = daqk + rs(do) * ones
+        else:
+            vp = u - cm.dot_nt(w_ref[...].astype(F32), St, p)
+            dqg = dqg + cm.dot(do, St, p)
+            dW = dW - cm.dot(dU, St, p)
+            dkd = dkd + cm.dot(vp, dSt, p)
+            daqk = daqk + cm.dot_nt(do, vp, p)
+        dgl = dgl + jnp.sum(St * dSt, axis=0, keepdims=True)
+        dY = dU if "dXY" in ablate else cm.dot_tn(A, dU, p)
+        dv_ref[:, cols] = (b * dY).astype(dv_ref.dtype)
+        dbeta_v = dbeta_v + jnp.sum(v * dY, axis=1, keepdims=True)
+        if "dA" not in ablate:
+            dA_u = dA_u + cm.dot_nt(dU, b * v, p)
+    return dqg, dW, dkd, daqk, dgl, (None if "dA" in ablate else dA_u), dbeta_v
+
+
+def _solve_bwd(gate, q, k, b, A, M, dqg, dW, dkd, daqk, dgl, dA_u, dbeta_v, *, scale, p, exact,
+               ablate, seg):
+    """The V-independent rest of _state_solve_bwd, from the state products.
+
+    Args: gate (cm.Gate), q, k [C, K], beta [C, 1], A, M [C, C]; dqg = dO S^T, dW = -dV' S^T,
+      dkd = V' dS^T [C, K], daqk = dO V'^T [C, C], dgl = colsum(S^T * dS^T) [1, K] (unmasked);
+      dA_u = dU Y^T [C, C] (None with the "dA" ablation) and dbeta_v = rowsum(v * dY) [C, 1]: the
+      V-side parts of dA and dbeta (all fp32 values).
+    Returns the dict of _state_solve_bwd without dv.
+    """
+    C = q.shape[0]
+    G, G_last = gate.G, gate.G_last
+    rows, cols = cm.iotas(C, C)
+    ones = jnp.ones((1, C), F32)
+    rs = cm.row_sums
+    X = cm.keep(b * jnp.exp(G) * k, seg, "row_in")
     dqg = cm.keep(dqg, seg, "row_in")
     dkd = cm.keep(dkd, seg, "in_last")
     dgl = cm.keep(dgl, seg, "carry")
@@ -150,23 +249,17 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
     dG = dG - t
     dG_last = jnp.exp(G_last) * dgl + jnp.sum(t, axis=0, keepdims=True)
 
-    # W = A X, U = A Y.
-    if "dXY" in ablate:
-        dX, dY = dW, dU
-    else:
-        dX = cm.dot_tn(A, dW, p)
-        dY = cm.dot_tn(A, dU, p)
+    # W = A X (U = A Y: dY, dv and dbeta_v come from the caller).
+    dX = dW if "dXY" in ablate else cm.dot_tn(A, dW, p)
     dX = cm.keep(dX, seg, "row_in")
     dk = dk + b * eG * dX
     dG = dG + X * dX
-    dv = b * dY
-    dbeta = (jnp.sum(eG * k * dX, axis=1, keepdims=True)
-             + jnp.sum(v * dY, axis=1, keepdims=True))
+    dbeta = jnp.sum(eG * k * dX, axis=1, keepdims=True) + dbeta_v
     # A = (I + L)^-1: dL = -A^T dA A^T on the strict lower triangle (dA restricted to A's support).
     if "dA" in ablate:
         dA = jnp.where(rows >= cols, (rs(dW) + rs(A)) * ones, 0.0)
     else:
-        dA = jnp.where(rows >= cols, cm.dot_nt(dW, X, p) + cm.dot_nt(dU, Y, p), 0.0)
+        dA = jnp.where(rows >= cols, cm.dot_nt(dW, X, p) + dA_u, 0.0)
     if "dL" in ablate:
         dL = jnp.where(rows > cols, dA, 0.0)
     else:
@@ -174,7 +267,7 @@ def _state_solve_bwd(gate, q, k, v, b, St, dSt, do, dU, w, u, A, M, *, scale, p,
     dL = cm.keep(dL, seg, "same")
     daqk = cm.keep(daqk, seg, "same")
     dbeta = dbeta + jnp.sum(dL * M, axis=1, keepdims=True)
-    return dict(dq=dq, dk=dk, dG=dG, dG_last=dG_last, dv=dv, dbeta=dbeta, dM=b * dL,
+    return dict(dq=dq, dk=dk, dG=dG, dG_last=dG_last, dbeta=dbeta, dM=b * dL,
                 dAqk=jnp.where(rows >= cols, daqk, 0.0))
 
 
@@ -272,21 +365,35 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_re
 
 
 def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
-                        w_ref, u_ref, a_ref, m_ref, *refs, scale, dtype, flags=frozenset()):
+                        w_ref, u_ref, a_ref, m_ref, *refs, scale, dtype, flags=frozenset(),
+                        ablate=frozenset(), block_v=None):
     seg_ref, refs = (refs[0], refs[1:]) if "segmented" in flags else (None, refs)
     dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref, *g_out = refs
+    if "compute" in ablate:                   # profiling: the I/O + launch floor (wrong results)
+        _intra_bwd_a_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                             w_ref, u_ref, a_ref, m_ref, *refs)
+        return
     C = q_ref.shape[0]
     gate = cm.gate_of(g_ref, gate_cumsum="gate_cumsum" in flags)
     if g_out:                                 # compact kernel b reads row slices of G
         g_out[0][...] = gate.G
-    p, exact = _precisions(dtype, flags)
-    r = _state_solve_bwd(gate, q_ref[...].astype(F32), k_ref[...].astype(F32),
-                         v_ref[...].astype(F32), beta_ref[...].astype(F32)[:, None],
-                         h_ref[...].astype(F32), dh_ref[...].astype(F32), do_ref[...].astype(F32),
-                         du_ref[...].astype(F32), w_ref[...].astype(F32), u_ref[...].astype(F32),
-                         a_ref[...], m_ref[...], scale=scale, p=p, exact=exact, ablate=frozenset(),
-                         seg=cm.segments_of(seg_ref))
-    dv_ref[...] = r["dv"].astype(dv_ref.dtype)
+    p, exact = _precisions(dtype, flags | ablate)
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    b = beta_ref[...].astype(F32)[:, None]
+    seg = cm.segments_of(seg_ref)
+    if block_v is None:
+        r = _state_solve_bwd(gate, q, k, v_ref[...].astype(F32), b, h_ref[...].astype(F32),
+                             dh_ref[...].astype(F32), do_ref[...].astype(F32),
+                             du_ref[...].astype(F32), w_ref[...].astype(F32),
+                             u_ref[...].astype(F32), a_ref[...], m_ref[...], scale=scale, p=p,
+                             exact=exact, ablate=ablate, seg=seg)
+        dv_ref[...] = r["dv"].astype(dv_ref.dtype)
+    else:                                     # dv is stored per V block inside
+        A = a_ref[...]
+        parts = _state_products_tiled(q, k, b, A, w_ref, do_ref, du_ref, u_ref, v_ref, h_ref, dh_ref,
+                                      dv_ref, block_v=block_v, p=p, ablate=ablate)
+        r = _solve_bwd(gate, q, k, b, A, m_ref[...], *parts, scale=scale, p=p, exact=exact,
+                       ablate=ablate, seg=seg)
     dbeta_ref[...] = r["dbeta"].reshape(C).astype(dbeta_ref.dtype)
     dq_ref[...] = r["dq"]
     dk_ref[...] = r["dk"]
@@ -294,6 +401,30 @@ def _intra_bwd_a_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_
     dgl_ref[...] = r["dG_last"].reshape(dgl_ref.shape)
     dm_ref[...] = r["dM"]
     daqk_ref[...] = r["dAqk"]
+
+
+def _intra_bwd_a_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref,
+                         w_ref, u_ref, a_ref, m_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dgp_ref,
+                         dgl_ref, dm_ref, daqk_ref, *g_out):
+    """Kernel a's "compute" ablation: every input read, every output written, no chunk arithmetic."""
+    rs = cm.row_sums
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    g = g_ref[...].astype(F32)
+    b = beta_ref[...].astype(F32)[:, None]
+    a, m = a_ref[...], m_ref[...]
+    dgl = jnp.sum(h_ref[...].astype(F32) * dh_ref[...].astype(F32), axis=0, keepdims=True)
+    dv_ref[...] = (v_ref[...].astype(F32) * rs(du_ref[...].astype(F32))
+                   + u_ref[...].astype(F32)).astype(dv_ref.dtype)
+    dbeta_ref[...] = rs(b * q).reshape(q.shape[0]).astype(dbeta_ref.dtype)
+    dq_ref[...] = q * rs(do_ref[...].astype(F32)) + w_ref[...].astype(F32)
+    dk_ref[...] = k * rs(a) + rs(m)
+    dgp_ref[...] = g * b
+    dgl_ref[...] = dgl.reshape(dgl_ref.shape)
+    dm_ref[...] = a * b
+    daqk_ref[...] = m + rs(a)
+    if g_out:
+        g_out[0][...] = g
 
 
 def _intra_bwd_b_kernel(q_ref, k_ref, g_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref,
@@ -479,7 +610,8 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
               interpret: bool, split: bool = False, bf16_dots: bool = False,
               gate_cumsum: bool = False, segments=None, compact_offdiag: bool = False,
-              unbounded: bool = False, _ablate: tuple[str, ...] = (), _params=None):
+              unbounded: bool = False, state_block_v: int | None = None,
+              _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
     Args: forward inputs (as intra_fwd, token-major); do [B, T, H, V]; du [B, H, T, V] fp32
@@ -505,24 +637,28 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     unbounded: g has no lower bound (any g <= 0): the compact kernel's diagonal tiles use the exact
       elementwise form (_own_block_bwd). Needs compact_offdiag=True and gate_cumsum=True (the
       tested combination); False: the bounded kernels, unchanged.
+    state_block_v: None, or BV > 0: kernel a of the split backward forms the state products over
+      V blocks of min(BV, V) columns (intra_bwd_a; ops.KernelOptions.tile_state_bwd); it exists
+      only in the split kernels, so it implies split=True.
     _ablate: PRIVATE profiling option (static; results WRONG, timing only): names from
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
-    Raises: ValueError for an unknown _ablate name, any _ablate with split / compact_offdiag, or
-      unbounded without compact_offdiag and gate_cumsum.
+    Raises: ValueError for an unknown _ablate name, any _ablate with split / compact_offdiag /
+      state_block_v (kernel a's ablations: intra_bwd_a), unbounded without compact_offdiag and
+      gate_cumsum, or a bad state_block_v.
     """
     ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
     if unbounded and not (compact_offdiag and gate_cumsum):
         raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
                          f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
-    if split or compact_offdiag:
+    if split or compact_offdiag or state_block_v is not None:
         if ablate:
             raise ValueError(f"{_ablate=} applies to the fused kernel only (split=False)")
         return intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
                                gate_cumsum=gate_cumsum, segments=segments,
                                compact_offdiag=compact_offdiag, unbounded=unbounded,
-                               _params=_params)
+                               state_block_v=state_block_v, _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -550,44 +686,66 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segmented else []))
 
 
-def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
-                    interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
-                    segments=None, compact_offdiag: bool = False, unbounded: bool = False,
-                    _params=None):
-    """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
+def _split_flags(dtype, *, bf16_dots, gate_cumsum, segmented, unbounded) -> frozenset:
+    """The static flags of the split kernels a and b (see intra_bwd_split)."""
+    bf16 = bf16_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    return frozenset(({"bf16_dots"} if bf16 else set()) | ({"gate_cumsum"} if gate_cumsum else set())
+                     | ({"segmented"} if segmented else set())
+                     | ({"unbounded"} if unbounded else set()))
 
-    Kernel a ("kda_intra_bwd_a"): the state products, the W / U and (I + L)^-1 backward
-    (_state_solve_bwd): writes dv, dbeta (final, token-major) and, head-major fp32, the partial dq,
-    dk, dG [B, H, T, K], dG_last [B, H, NT, K] and the score gradients dM, dAqk [B, H, T, C].
-    Kernel b ("kda_intra_bwd_b"): the anchored score-tile backward (_score_bwd) and the reverse
-    cumsum (or, with gate_cumsum, the per-row dg as intra_bwd's): dq, dk, dg. Round-3 lever 1
-    (kda_pallas_notes.md): the fused kernel keeps the [V, K] states and the score-tile values live
-    at once; split, each body holds about half. With segments only kernel a reads them (dM and
-    dAqk leave it masked).
-    compact_offdiag: kernel b is _intra_bwd_b_compact_kernel (row-block slices of the refs, no
-    3/4-zero masked dots); without gate_cumsum kernel a then also writes the chunk cumsum G
-    [B, H, T, K] fp32 for it (32 KiB per chunk written and read).
-    unbounded (needs compact_offdiag and gate_cumsum): kernel b's diagonal tiles are exact
-    (_own_block_bwd); kernel a is unchanged (it needs no bound).
-    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum.
+
+def check_state_block_v(state_block_v, V: int) -> int | None:
+    """The V block of kernel a's tiled state products for head dim V: min(state_block_v, V), or
+    None for the whole-state form (state_block_v None). Raises ValueError unless state_block_v is
+    None or a positive int whose min with V divides V."""
+    if state_block_v is None:
+        return None
+    if not isinstance(state_block_v, int) or state_block_v <= 0 or V % min(state_block_v, V):
+        raise ValueError(f"state_block_v must be None or a positive int whose min with V = {V} "
+                         f"divides V; got {state_block_v=}")
+    return min(state_block_v, V)
+
+
+def intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
+                interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
+                segments=None, write_G: bool = False, state_block_v: int | None = None,
+                _ablate: tuple[str, ...] = (), _params=None):
+    """Kernel a of intra_bwd_split ("kda_intra_bwd_a"), one program per (batch, head, chunk): the
+    state products, the W / U and (I + L)^-1 backward (_state_solve_bwd).
+
+    Args: as intra_bwd (forward inputs token-major; du [B, H, T, V] fp32; h, dh [B, H, NT, V, K];
+      w [B, H, T, K], u [B, H, T, V]; A, M [B, H, T, C] fp32); bf16_dots, gate_cumsum, segments as
+      intra_bwd; write_G: also write the chunk cumsum G (kernel b's compact form without
+      gate_cumsum reads it).
+    state_block_v: None: the state products on the whole [V, K] states (both live at once);
+      BV > 0: over V blocks of min(BV, V) columns (_state_products_tiled; ops.KernelOptions.
+      tile_state_bwd uses STATE_BLOCK_V): [BV, K] row slices of h, dh and column slices of do, du,
+      u, v, dv, so that no whole state is live; same sums, the contraction over V split into
+      blocks (equal up to fp32 rounding; bit-identical when BV >= V).
+    _ablate: PRIVATE profiling option (timing only, results WRONG): names from A_ABLATIONS
+      (common.BWD_ABLATIONS' pieces of this kernel: state_products, dXY, dA, dL, exact_dots,
+      compute); "compute" takes no segments.
+    _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
+    Returns: dv [B, T, H, V] (v's dtype) and dbeta [B, T, H] fp32 (final, token-major); head-major
+      fp32 partial dq, dk, dG [B, H, T, K], dG_last [B, H, NT, K], the score gradients dM, dAqk
+      [B, H, T, C]; with write_G also G [B, H, T, K] fp32.
+    Raises: ValueError for an unknown _ablate name, "compute" with segments, or a bad state_block_v.
     """
-    if unbounded and not (compact_offdiag and gate_cumsum):
-        raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
-                         f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
+    ablate = cm.check_ablate(_ablate, A_ABLATIONS, "_ablate")
+    if segments is not None and "compute" in ablate:
+        raise ValueError(f"{_ablate=}: the 'compute' ablation does not take segments")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NT = T // C
+    bv = check_state_block_v(state_block_v, V)
     sp = cm.chunk_specs(C, K, V)
     ik, iv, ib, tv, ts, tk, ta, tg = sp.ik, sp.iv, sp.ib, sp.tv, sp.ts, sp.tk, sp.ta, sp.tg
-    params = _params or cm.INTRA_PARAMS
-    flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
-                       else set()) | ({"gate_cumsum"} if gate_cumsum else set())
-                      | ({"segmented"} if segments is not None else set())
-                      | ({"unbounded"} if unbounded else set()))
-    write_G = compact_offdiag and not gate_cumsum
-    dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk, *G = pl.pallas_call(
-        functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
+    flags = _split_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
+                         segmented=segments is not None, unbounded=False)
+    return pl.pallas_call(
+        functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags,
+                          ablate=ablate, block_v=bv), grid=(B, H, NT),
         in_specs=[ik, ik, iv, ik, ib, iv, tv, ts, ts, tk, tv, ta, ta]
                  + ([cm.seg_spec(C)] if segments is not None else []),
         out_specs=[iv, ib, tk, tk, tk, tg, ta, ta] + ([tk] if write_G else []),
@@ -597,16 +755,81 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
                   + [jax.ShapeDtypeStruct((B, H, NT, K), F32)]
                   + [jax.ShapeDtypeStruct((B, H, T, C), F32)] * 2
                   + ([jax.ShapeDtypeStruct((B, H, T, K), F32)] if write_G else []),
-        interpret=interpret, compiler_params=params, name="kda_intra_bwd_a",
+        interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_bwd_a",
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segments is not None else []))
+
+
+def intra_bwd_b(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, chunk_size: int,
+                interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
+                compact_offdiag: bool = False, unbounded: bool = False, g_head_major: bool = False,
+                _params=None):
+    """Kernel b of intra_bwd_split ("kda_intra_bwd_b"), one program per (batch, head, chunk): the
+    anchored score-tile backward and the per-row dg.
+
+    Args: q, k [B, T, H, K] (token-major forward inputs); g: the gate as kernel a read it
+      ([B, T, H, K]: g, or its chunk cumsum G with gate_cumsum), or with g_head_major kernel a's
+      G output [B, H, T, K] fp32 (write_G: compact_offdiag without gate_cumsum); dqp, dkp, dgp
+      [B, H, T, K], dgl [B, H, NT, K], dM, dAqk [B, H, T, C] (kernel a's fp32 outputs).
+      bf16_dots, gate_cumsum, compact_offdiag, unbounded as intra_bwd_split.
+    Returns: dq, dk [B, T, H, K] (q's dtype), dg [B, T, H, K] fp32 (per row before the reverse
+      cumsum with gate_cumsum; else final).
+    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum.
+    """
+    if unbounded and not (compact_offdiag and gate_cumsum):
+        raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
+                         f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
+    B, T, H, K = q.shape
+    C = chunk_size
+    sp = cm.chunk_specs(C, K, K)
+    ik, tk, ta, tg = sp.ik, sp.tk, sp.ta, sp.tg
+    flags = _split_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=False,
+                         unbounded=unbounded)
     kernel_b = _intra_bwd_b_compact_kernel if compact_offdiag else _intra_bwd_b_kernel
-    dq, dk, dg = pl.pallas_call(
-        functools.partial(kernel_b, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, NT),
-        in_specs=[ik, ik, tk if write_G else ik, tk, tk, tk, tg, ta, ta],
+    return pl.pallas_call(
+        functools.partial(kernel_b, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, T // C),
+        in_specs=[ik, ik, tk if g_head_major else ik, tk, tk, tk, tg, ta, ta],
         out_specs=[ik, ik, ik],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, T, H, K), F32)],
-        interpret=interpret, compiler_params=params, name="kda_intra_bwd_b",
-    )(q, k, G[0] if write_G else g, dqp, dkp, dgp, dgl, dM, dAqk)
+        interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_bwd_b",
+    )(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk)
+
+
+def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
+                    interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
+                    segments=None, compact_offdiag: bool = False, unbounded: bool = False,
+                    state_block_v: int | None = None, _params=None):
+    """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
+
+    Kernel a ("kda_intra_bwd_a", intra_bwd_a): the state products, the W / U and (I + L)^-1
+    backward (_state_solve_bwd): writes dv, dbeta (final, token-major) and, head-major fp32, the
+    partial dq, dk, dG [B, H, T, K], dG_last [B, H, NT, K] and the score gradients dM, dAqk
+    [B, H, T, C]. Kernel b ("kda_intra_bwd_b", intra_bwd_b): the anchored score-tile backward
+    (_score_bwd) and the reverse cumsum (or, with gate_cumsum, the per-row dg as intra_bwd's): dq,
+    dk, dg. Round-3 lever 1 (kda_pallas_notes.md): the fused kernel keeps the [V, K] states and
+    the score-tile values live at once; split, each body holds about half. With segments only
+    kernel a reads them (dM and dAqk leave it masked).
+    compact_offdiag: kernel b is _intra_bwd_b_compact_kernel (row-block slices of the refs, no
+    3/4-zero masked dots); without gate_cumsum kernel a then also writes the chunk cumsum G
+    [B, H, T, K] fp32 for it (32 KiB per chunk written and read).
+    unbounded (needs compact_offdiag and gate_cumsum): kernel b's diagonal tiles are exact
+    (_own_block_bwd); kernel a is unchanged (it needs no bound).
+    state_block_v: kernel a's state products over V blocks (see intra_bwd_a); None: whole states.
+    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum, or a bad
+      state_block_v.
+    """
+    if unbounded and not (compact_offdiag and gate_cumsum):
+        raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
+                         f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
+    write_G = compact_offdiag and not gate_cumsum
+    dv, dbeta, dqp, dkp, dgp, dgl, dM, dAqk, *G = intra_bwd_a(
+        q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size,
+        interpret=interpret, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segments=segments,
+        write_G=write_G, state_block_v=state_block_v, _params=_params)
+    dq, dk, dg = intra_bwd_b(q, k, G[0] if write_G else g, dqp, dkp, dgp, dgl, dM, dAqk,
+                             scale=scale, chunk_size=chunk_size, interpret=interpret,
+                             bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
+                             compact_offdiag=compact_offdiag, unbounded=unbounded,
+                             g_head_major=write_G, _params=_params)
     return dq, dk, dv, dg, dbeta

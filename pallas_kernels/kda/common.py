@@ -128,7 +128,9 @@ def row_sums(x):
 # Profiling ablations (private; timing only, results WRONG): named pieces of the intra-chunk kernel
 # bodies replaced by cheap elementwise stand-ins of the same shapes, so that a GPU run can time the
 # kernel without each piece. Reached only through fwd.intra_fwd(_ablate=...) /
-# bwd.intra_bwd(_ablate=...) (experiments/bench_kda_kernels.py --ablate), never from ops.kda_pallas.
+# bwd.intra_bwd(_ablate=...) / bwd.intra_bwd_a(_ablate=...) (kernel a of the split backward:
+# state_products, dXY, dA, dL, exact_dots, compute; bwd.A_ABLATIONS)
+# (experiments/bench_kda_kernels.py --ablate), never from ops.kda_pallas.
 #   gate      Gate without the cumsum and the anchor / last-row reductions (G = g, anchors 0)
 #   cumsum    only the chunk cumsums (forward G; backward also the reverse cumsum of dG)
 #   scores    intra_fwd: the 8 anchored row-block score GEMMs (M and Aqk)

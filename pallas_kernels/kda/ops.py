@@ -27,14 +27,16 @@ Kernel variants with the same math (ops.KernelOptions; all on by default since t
 2026-12-01): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
 forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots and the
 intra dots, the gate cumsums in XLA, intra_fwd as two kernels (fwd.intra_fwd_split), the compact
-row-block score-tile backward.
+row-block score-tile backward. Off by default until a GPU run times it: the backward's kernel a
+over V blocks of the saved states (tile_state_bwd).
 
 Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is one anchored dot
 (exp of at most 80 nats). With lower_bound=None (unbounded gates, e.g. Kimi Linear's
 g = -exp(A_log) softplus(.)) the diagonal tiles are computed exactly instead, elementwise with every
 exp argument <= 0 (common.own_block_scores in fwd.intra_fwd_split's kernel a, bwd._own_block_bwd in
 the compact backward kernel b); all other kernels need no bound. That path exists only for the
-default option set (UNBOUNDED_OPTIONS, all seven on); `supported` refuses other option sets.
+default option set (UNBOUNDED_OPTIONS, all seven on, with or without tile_state_bwd:
+UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
@@ -144,6 +146,13 @@ class KernelOptions:
       ([16, n] x [n, K] dots, n <= 64) instead of 12 masked [64, 64] x [64, K] dots of which 3/4 of
       the rows are zero (bwd._intra_bwd_b_compact_kernel). It needs the score gradients in HBM, so
       it runs the two-kernel backward whatever split_intra_bwd says (implies it).
+    tile_state_bwd (default False until a GPU run times it; round 4 of kda_pallas_notes.md): kernel a
+      of the two-kernel backward forms its state products over V blocks of bwd.STATE_BLOCK_V = 64
+      columns (bwd._state_products_tiled: [64, K] row slices of the saved state and its gradient,
+      column slices of dO, dV', U, V, dv) instead of holding both whole [V, K] fp32 states; same
+      sums with the contraction over V split into blocks (fp32 rounding only). Kernel a needs no
+      gate bound, so it is also allowed with lower_bound=None (UNBOUNDED_OPTION_SETS). It exists
+      only in the two-kernel backward, so it implies split_intra_bwd.
     """
 
     split_intra_bwd: bool = True
@@ -153,13 +162,14 @@ class KernelOptions:
     xla_gate_cumsum: bool = True
     split_intra_fwd: bool = True
     compact_offdiag_bwd: bool = True
+    tile_state_bwd: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
 # the gate cumsums inside the kernels (the defaults until 2026-12-01).
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
-                               compact_offdiag_bwd=False)
+                               compact_offdiag_bwd=False, tile_state_bwd=False)
 
 
 # The only option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -168,7 +178,11 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 # KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
-                                  compact_offdiag_bwd=True)
+                                  compact_offdiag_bwd=True, tile_state_bwd=False)
+# Every option set unbounded gates run with: UNBOUNDED_OPTIONS, and the same with tile_state_bwd (it
+# changes only the backward's kernel a, which needs no gate bound; tested in interpret mode against
+# UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states).
+UNBOUNDED_OPTION_SETS = (UNBOUNDED_OPTIONS, dataclasses.replace(UNBOUNDED_OPTIONS, tile_state_bwd=True))
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -180,16 +194,18 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
       options a KernelOptions or None = KernelOptions()), plus the dispatch option use_qk_l2norm,
       which the kernel does not implement. Compiled (interpret=False) fp32 calls are covered only up
       to K, V <= MAX_FP32_HEAD_DIM (see there). lower_bound=None (unbounded gates) is covered only
-      with options == UNBOUNDED_OPTIONS (every KernelOptions field on, the default).
+      with options in UNBOUNDED_OPTION_SETS (the seven round-3 fields on, the default, with or
+      without tile_state_bwd).
     Returns: (True, "") or (False, reason).
     """
     if use_qk_l2norm:
         return False, "use_qk_l2norm=True is not supported by the Pallas KDA kernel"
     if lower_bound is None:
         opts = KernelOptions() if options is None else options
-        if opts != UNBOUNDED_OPTIONS:
+        if opts not in UNBOUNDED_OPTION_SETS:
             return False, ("lower_bound=None (unbounded gates) runs in the Pallas KDA kernel only with the "
-                           f"default options (every KernelOptions field on, UNBOUNDED_OPTIONS); got {options=}: "
+                           "default options (the seven round-3 KernelOptions fields on, tile_state_bwd either way: "
+                           f"UNBOUNDED_OPTION_SETS); got {options=}: "
                            "the exact diagonal tiles exist only in intra_fwd_split with xla_gate_cumsum and the "
                            "compact_offdiag_bwd backward")
     elif not MIN_LOWER_BOUND <= float(lower_bound) < 0:
@@ -310,7 +326,9 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
                                           bf16_dots=options.bf16_intra_dots,
                                           gate_cumsum=options.xla_gate_cumsum, segments=rel,
                                           compact_offdiag=options.compact_offdiag_bwd,
-                                          unbounded=unbounded)
+                                          unbounded=unbounded,
+                                          state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd
+                                                         else None))
     if options.xla_gate_cumsum:
         dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
