@@ -554,7 +554,7 @@ class TestTileStateBwd:
         # layouts ops passes (bf16 with bf16 dots and the XLA gate cumsum, the default op's kernel
         # a); every output of kernel a. The other two (dtype, segments) pairs run through the op in
         # test_op_matches_whole_states. Measured (interpret, largest RMS ratio over the 8
-        # outputs): fp32 ~1e-7, bf16 ~2e-7 (fp32 accumulation order).
+        # outputs): fp32 <= 2.6e-7, bf16 <= 1.5e-7 at BV 64 and 32 (fp32 accumulation order).
         from pallas_kernels.kda import common
         B, T, H, K, V, C = 1, 128, 2, 32, 128, 64
         dt = jnp.dtype(dtype)
