@@ -53,6 +53,28 @@ def _segment_ids(cuts_per_row, T):
     return jnp.asarray(seg)
 
 
+def _errors_vs_recurrent(x, seg, dtype, keys, **kda_pallas_kw):
+    """o, final state and all gradients of kda_pallas(**kda_pallas_kw) on x against the fp32
+    recurrence with the same segment_ids (cotangents from PRNG keys `keys`); asserts fla's bf16
+    tolerances (FP32_TOLERANCE for fp32); returns ({name: RMS ratio}, the reference o)."""
+    B, T, H, K = x["q"].shape
+    V = x["v"].shape[-1]
+    x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
+    do = jax.random.normal(jax.random.PRNGKey(keys[0]), (B, T, H, V))
+    dht = jax.random.normal(jax.random.PRNGKey(keys[1]), (B, H, K, V))
+    kw = dict(output_final_state=True, segment_ids=seg, **kda_pallas_kw)
+    o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
+        lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+    o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
+        lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                segment_ids=seg), x, do, dht))(x32)
+    tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+    errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
+    for name in GRAD_NAMES:
+        errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
+    return errs, o_ref
+
+
 class TestPallasInterpret(KDAImplementationTests):
     """The shared comparisons on the Pallas kernel bodies in interpret mode (CPU)."""
 
@@ -83,28 +105,16 @@ class TestPallasInterpret(KDAImplementationTests):
         x = make_kda_inputs(jax.random.PRNGKey(21), B, T, H, K, V, gate="softplus",
                             dtype=jnp.dtype(dtype))
         x["g"] = (gate_scale * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
-        x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
         seg = _segment_ids(SEGMENT_CUTS, T) if segments else None
-        do = jax.random.normal(jax.random.PRNGKey(22), (B, T, H, V))
-        dht = jax.random.normal(jax.random.PRNGKey(23), (B, H, K, V))
-        kw = dict(lower_bound=None, interpret=self.interpret, sequence_split=sequence_split,
-                  output_final_state=True, options=self.options, segment_ids=seg)
-        o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
-            lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
-        o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
-            lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True,
-                                                    segment_ids=seg), x, do, dht))(x32)
-        tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
-        errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
-        for name in GRAD_NAMES:
-            errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
+        errs, _ = _errors_vs_recurrent(x, seg, dtype, (22, 23), lower_bound=None, interpret=self.interpret,
+                                       sequence_split=sequence_split, options=self.options)
         print(f"\nKDA_ERRORS pallas unbounded x{gate_scale} {(B, T, H, K, V)} {dtype} segments={segments} "
               + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
         if gate_scale >= 30:
             # The gates really are beyond any bound: g < -50 on ~15% of the entries (every 16-token
             # tile has some), and the bounded kernels (lower_bound=-5, a broken promise here)
             # overflow on the same inputs.
-            assert float(jnp.mean((x32["g"] < -50).astype(jnp.float32))) > 0.1
+            assert float(jnp.mean((x["g"].astype(jnp.float32) < -50).astype(jnp.float32))) > 0.1
             o_bounded, _ = jax.jit(lambda a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=self.interpret,
                                                             options=self.options))(_args(x))
             assert not bool(jnp.all(jnp.isfinite(o_bounded.astype(jnp.float32))))
@@ -122,21 +132,11 @@ class TestPallasInterpret(KDAImplementationTests):
         B, T, H, K, V = 2, 250, 2, 32, 16
         x = make_kda_inputs(jax.random.PRNGKey(18), B, T, H, K, V, dtype=jnp.dtype(dtype))
         x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
-        x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
         seg = _segment_ids(SEGMENT_CUTS, T)
-        do = jax.random.normal(jax.random.PRNGKey(19), (B, T, H, V))
-        dht = jax.random.normal(jax.random.PRNGKey(20), (B, H, K, V))
-        kw = dict(lower_bound=-5.0, interpret=self.interpret, sequence_split=sequence_split,
-                  output_final_state=True, options=self.options, segment_ids=seg)
-        o, ht, grads = jax.jit(lambda x: kda_loss_and_grads(
-            lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
-        o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
-            lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True,
-                                                    segment_ids=seg), x, do, dht))(x32)
+        errs, o_ref = _errors_vs_recurrent(x, seg, dtype, (19, 20), lower_bound=-5.0, interpret=self.interpret,
+                                           sequence_split=sequence_split, options=self.options)
         tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
-        errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
-        for name in GRAD_NAMES:
-            errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
+        x32 = {n: a.astype(jnp.float32) for n, a in x.items()}
         # The documents matter here: without segment_ids the outputs are far off.
         o_joined, _ = jax.jit(lambda x: kda_recurrent(*_args(x), initial_state=x["h0"]))(x32)
         assert rms_ratio(o_ref, o_joined) > 20 * tol("o")
@@ -151,6 +151,20 @@ class TestPallasInterpret(KDAImplementationTests):
             x = {n: a.astype(jnp.float64) for n, a in x.items()}
             with pytest.raises(ValueError, match="implementation"):
                 self.run(*_args(x), lower_bound=-5.0 if gate == "bounded" else None)
+
+    def test_fp32_under_x64_matches(self):
+        # jax_enable_x64 must not change the kernels (typed int32 constants in the index arithmetic):
+        # fp32 inputs give the same o and gradients with and without it.
+        x = make_kda_inputs(jax.random.PRNGKey(9), 1, 70, 1, 16)
+
+        def run():
+            return jax.jit(jax.value_and_grad(lambda a: jnp.sum(self.run(*a, lower_bound=-5.0)[0]),
+                                              argnums=0))(_args(x))
+        base = run()
+        with jax.enable_x64(True):
+            wide = run()
+        for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(wide)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
     def test_odd_sizes_and_options(self):
         # K, V not powers of two, T not a multiple of the chunk, explicit scale, no initial state.
@@ -294,10 +308,22 @@ class TestSupported:
         (dict(lower_bound=-5.0, segment_ids=np.zeros((1, 64), np.float32)), "segment_ids"),
         (dict(lower_bound=-5.0, use_qk_l2norm=True), "use_qk_l2norm"),
         (dict(lower_bound=-5.0, chunk_size=32), "chunk_size"),
+        (dict(lower_bound="-5"), "lower_bound"),
+        (dict(lower_bound=jnp.float32(-5.0)), "lower_bound"),
+        (dict(lower_bound=True), "lower_bound"),
     ])
     def test_unsupported_options(self, kwargs, word):
         ok, why = ops.supported(*self._inputs(), **kwargs)
         assert not ok and word in why
+
+    def test_empty_and_integer_inputs_refused(self):
+        q, k, v, g, beta = self._inputs()
+        empty = jax.ShapeDtypeStruct((1, 0, 2, 32), jnp.bfloat16)
+        ok, why = ops.supported(empty, empty, empty, jax.ShapeDtypeStruct((1, 0, 2, 32), jnp.float32),
+                                jax.ShapeDtypeStruct((1, 0, 2), jnp.bfloat16), lower_bound=-5.0)
+        assert not ok and "positive" in why
+        ok, why = ops.supported(q, k, v, g, jax.ShapeDtypeStruct(beta.shape, jnp.int32), lower_bound=-5.0)
+        assert not ok and "beta" in why
 
     def test_unbounded_gates_need_the_default_options(self):
         # lower_bound=None runs only with the seven round-3 KernelOptions fields on (the exact diagonal

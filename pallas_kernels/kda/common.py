@@ -448,11 +448,12 @@ def unit_lower_inverse(L, precision):
     C = L.shape[0]
     rows, cols = iotas(C, C)
     D = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
-    D = D - jnp.where((lax.div(rows, 2) == lax.div(cols, 2)) & (rows > cols), L, 0.0)
+    two = jnp.int32(2)          # typed: a Python 2 would be int64 under jax_enable_x64
+    D = D - jnp.where((lax.div(rows, two) == lax.div(cols, two)) & (rows > cols), L, 0.0)
     s = 2
     while s < C:
         rs, cs = lax.div(rows, jnp.int32(s)), lax.div(cols, jnp.int32(s))
-        same = lax.div(rs, 2) == lax.div(cs, 2)
+        same = lax.div(rs, two) == lax.div(cs, two)
         N = dot(D, jnp.where(same & (rs > cs), L, 0.0), precision)
         D = D - dot(N, D, precision)
         s *= 2

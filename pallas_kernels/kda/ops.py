@@ -4,14 +4,17 @@ Forward: `fwd.intra_fwd` (gate cumsum, anchored row-block score GEMMs, (I+L)^-1,
 over (batch, head, chunk)) then the state pass: `fwd.state_fwd` (serial fp32 state pass; parallel
 over (batch, head, V-block)), or, when that leaves the GPU under-filled, the exact sequence split
 of `split.py` (per-segment transitions, a short scan over segments, then `fwd.state_fwd` per
-segment in parallel). A forward-only call writes no per-chunk states. Backward: reuses what the
+segment in parallel). With the default parallel_output the serial pass writes V' and the per-chunk
+states and `fwd.output_fwd` forms o in parallel over chunks (so forward-only calls write the states
+too). Backward: reuses what the
 differentiated forward saved (chunk factors, A and M, per-chunk states; nothing is recomputed);
 `bwd.state_bwd` (reverse serial pass, split the same way when the forward's is) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
-give dq, dk, dv, dg, dbeta and dh0. Every gradient is computed by Pallas kernels; the kernels read
-and write the user's token-major [B, T, H, .] tensors directly (BlockSpecs), so the only XLA work
-is zero padding / slicing when T is not a multiple of 64 or K, V not a power of two, and slicing
-the split's transition outputs.
+give dq, dk, dv, dg, dbeta and dh0. The kernels read and write the user's token-major [B, T, H, .]
+tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
+multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
+g, with the default xla_gate_cumsum the chunk-local cumsum of g and the reverse cumsum of dG, and
+with segment_ids the per-chunk document offsets (common.document_offsets).
 
 Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T tokens:
 qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
@@ -208,6 +211,9 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
                            f"UNBOUNDED_OPTION_SETS); got {options=}: "
                            "the exact diagonal tiles exist only in intra_fwd_split with xla_gate_cumsum and the "
                            "compact_offdiag_bwd backward")
+    elif isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        return False, (f"lower_bound must be None or a Python number in [{MIN_LOWER_BOUND}, 0) (a static "
+                       f"compile-time promise); got {type(lower_bound).__name__} {lower_bound!r}")
     elif not MIN_LOWER_BOUND <= float(lower_bound) < 0:
         return False, f"{lower_bound=} must lie in [{MIN_LOWER_BOUND}, 0) for the Pallas KDA kernel"
     if chunk_size != CHUNK_SIZE:
@@ -218,6 +224,10 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
     if v.ndim != 4 or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
         return False, f"expected v [B, T, H, V], beta [B, T, H]; got {v.shape=} {beta.shape=}"
     V = v.shape[-1]
+    if min(B, T, H, K, V) == 0:
+        return False, f"every dimension must be positive; got {q.shape=} {v.shape=}"
+    if not jnp.issubdtype(beta.dtype, jnp.floating) or not jnp.issubdtype(g.dtype, jnp.floating):
+        return False, f"g and beta must be floating point; got {g.dtype=} {beta.dtype=}"
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         return False, f"head dims K={K}, V={V} above {MAX_HEAD_DIM} are not covered by the tests"
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -366,8 +376,9 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | No
       chunk_size: 64 (the only supported value).
       interpret: run the kernels in Pallas interpret mode (CPU).
       sequence_split: segment length in chunks for the exact sequence split of the serial state
-        passes (split.py; see split_chunks): None = automatic (only when B * H * V / 64 < 256),
-        0 = one serial pass.
+        passes (split.py; see split_chunks): None = automatic (only when the serial pass would run
+        fewer than SPLIT_TARGET_PROGRAMS programs, B * H * (Vp // min(Vp, 64)) with Vp the padded V,
+        and the sequence has at least 2 * SPLIT_MIN_CHUNKS chunks), 0 = one serial pass.
       options: KernelOptions (kernel variants with the same math); None = KernelOptions().
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
