@@ -65,7 +65,8 @@ from pallas_kernels.kda import bwd, common, fwd, ops, split
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x4096x16x128", "1x65536x16x128"], "BxTxHxK shapes (V = K)")
-flags.DEFINE_string("out", "kda_kernels.json", "JSON file, rewritten after every measurement")
+flags.DEFINE_string("out", "/tmp/k3jax_bench_kda_kernels/kda_kernels.json", "JSON file, rewritten after "
+                    "every measurement (committed results were written with --out=experiments/results/...)")
 flags.DEFINE_integer("iters", 20, "timed calls per measurement (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intra_fwd/intra_bwd")
@@ -489,6 +490,7 @@ def main(argv):
            "dtype": "bfloat16", "lower_bound": LOWER_BOUND, "chunk_size": CHUNK, "rows": []}
 
     def save():
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
         with open(FLAGS.out, "w") as fh:
             json.dump(res, fh, indent=1)
 
