@@ -115,14 +115,18 @@ def kda(
     o_t = S_t^T (scale q_t), per head.
 
     Args:
-      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (nats, <= 0); beta: [B, T, H].
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (nats, finite, <= 0;
+        -inf gives NaN in the chunk forms); beta: [B, T, H].
       scale: query scale, None = K ** -0.5.
       initial_state: [B, H, K, V] fp32 state before token 0 (first segment of each row only).
       output_final_state: also return the fp32 final state [B, H, K, V].
       segment_ids: [B, T] integer document ids; the state restarts at every change of id.
       use_qk_l2norm: L2-normalise q, k along K first.
       lower_bound: the caller's promise that g >= lower_bound (in [-5, 0)); lets the chunked op use a
-        single bf16 GEMM per 16-token diagonal tile. None = exact path for any g <= 0.
+        single bf16 GEMM per 16-token diagonal tile. None = exact path for any finite g <= 0 (the
+        chunk forms take differences of within-chunk cumsums: with one gate near -1e4 among mild
+        ones the fp32 error of the mild tokens' decay reaches ~1e-3 relative, in "chunked" and
+        "pallas" alike; tests/test_kda_pallas_edges.py).
       chunk_size: chunk length for "chunked" (power of two >= 16).
       implementation: None = "pallas" where its GPU tests cover the call (compiled, i.e.
         interpret=False, on a CUDA device of compute capability 9.0 — the tests ran on an H200 —
