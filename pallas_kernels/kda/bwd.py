@@ -686,14 +686,6 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     )(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *([segments] if segmented else []))
 
 
-def _split_flags(dtype, *, bf16_dots, gate_cumsum, segmented, unbounded) -> frozenset:
-    """The static flags of the split kernels a and b (see intra_bwd_split)."""
-    bf16 = bf16_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-    return frozenset(({"bf16_dots"} if bf16 else set()) | ({"gate_cumsum"} if gate_cumsum else set())
-                     | ({"segmented"} if segmented else set())
-                     | ({"unbounded"} if unbounded else set()))
-
-
 def check_state_block_v(state_block_v, V: int) -> int | None:
     """The V block of kernel a's tiled state products for head dim V: min(state_block_v, V), or
     None for the whole-state form (state_block_v None). Raises ValueError unless state_block_v is
@@ -741,7 +733,7 @@ def intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, ch
     bv = check_state_block_v(state_block_v, V)
     sp = cm.chunk_specs(C, K, V)
     ik, iv, ib, tv, ts, tk, ta, tg = sp.ik, sp.iv, sp.ib, sp.tv, sp.ts, sp.tk, sp.ta, sp.tg
-    flags = _split_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
+    flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
                          segmented=segments is not None, unbounded=False)
     return pl.pallas_call(
         functools.partial(_intra_bwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags,
@@ -782,7 +774,7 @@ def intra_bwd_b(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, chunk_si
     C = chunk_size
     sp = cm.chunk_specs(C, K, K)
     ik, tk, ta, tg = sp.ik, sp.tk, sp.ta, sp.tg
-    flags = _split_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=False,
+    flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=False,
                          unbounded=unbounded)
     kernel_b = _intra_bwd_b_compact_kernel if compact_offdiag else _intra_bwd_b_kernel
     return pl.pallas_call(

@@ -57,6 +57,15 @@ INTRA_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=1)
 OUTPUT_PARAMS = pltriton.CompilerParams(num_warps=4)
 
 
+def split_kernel_flags(dtype, *, bf16_dots: bool, gate_cumsum: bool, segmented: bool,
+                       unbounded: bool) -> frozenset:
+    """The static flags of the two-kernel intra passes (fwd.intra_fwd_split, bwd.intra_bwd_split):
+    "bf16_dots" (only for bf16 inputs), "gate_cumsum", "segmented", "unbounded"."""
+    bf16 = bf16_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    named = {"bf16_dots": bf16, "gate_cumsum": gate_cumsum, "segmented": segmented, "unbounded": unbounded}
+    return frozenset(name for name, on in named.items() if on)
+
+
 def mm_precision(dtype):
     """Dot precision for the bulk fp32-operand dots of a call with inputs of `dtype`.
 

@@ -223,10 +223,8 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     ik, iv, ib, tk, tv, ta, tg = sp.ik, sp.iv, sp.ib, sp.tk, sp.tv, sp.ta, sp.tg
     fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
     segmented = segments is not None
-    flags = frozenset(({"bf16_dots"} if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
-                       else set()) | ({"gate_cumsum"} if gate_cumsum else set())
-                      | ({"segmented"} if segmented else set())
-                      | ({"unbounded"} if unbounded else set()))
+    flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=segmented,
+                                  unbounded=unbounded)
     params = _params or cm.INTRA_PARAMS
     seg_in = [segments] if segmented else []
     seg_spec = [cm.seg_spec(C)] if segmented else []
