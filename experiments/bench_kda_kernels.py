@@ -73,6 +73,8 @@ flags.DEFINE_list("intra_warps", ["8"], "Triton num_warps values to try for intr
 flags.DEFINE_list("state_warps", ["4"], "Triton num_warps values to try for the serial kernels")
 flags.DEFINE_list("state_stages", ["1"], "Triton num_stages values to try for the serial kernels "
                   "(> 1 pipelines the next chunk's loads; 3 overflowed shared memory in round 1)")
+flags.DEFINE_string("variant_split", "0", "sequence_split of the --variants ops: a segment length in chunks "
+                    "(0: one serial pass) or 'auto' (the op's default rule, ops.split_chunks)")
 flags.DEFINE_list("exact_bf16", ["bf16x3"], "precision of the error-sensitive dots for bf16 inputs "
                   "(common.EXACT_BF16): bf16x3 (default), tf32 (one TF32 pass), tf32x3")
 flags.DEFINE_string("check_shape", "1x1024x2x128", "BxTxHxK of the accuracy check run for every "
@@ -274,7 +276,8 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
-                  "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd"}
+                  "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd",
+                  "pallas_cumsum": "pallas_cumsum"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
@@ -400,6 +403,15 @@ def profile(res, save, t_start):
     (so the host threads do not disturb the timing).
     """
     B, T, H, K = (int(x) for x in FLAGS.shapes[0].split("x"))
+    if len(FLAGS.state_stages) != 1:
+        raise ValueError(f"--state_stages takes one value in the --ablate / --variants mode; got {FLAGS.state_stages}")
+    stages = int(FLAGS.state_stages[0])
+    common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=common.STATE_PARAMS.num_warps,
+                                                         num_stages=stages)
+    if FLAGS.variant_split != "auto" and not FLAGS.variant_split.isdigit():
+        raise ValueError(f"--variant_split must be 'auto' or a segment length >= 0; got {FLAGS.variant_split!r}")
+    variant_split = None if FLAGS.variant_split == "auto" else int(FLAGS.variant_split)
+    res.update(state_stages=stages, variant_split=FLAGS.variant_split)
     inputs = profile_inputs(B, T, H, K)
     res["mode"] = "profile (kernel rows: times only; ablated results are wrong)"
     jobs = []                                # (row, build() -> (compiled, args), kind)
@@ -430,11 +442,12 @@ def profile(res, save, t_start):
 
         def op(*a, opts=opts):
             return ops.kda_pallas(*a, lower_bound=LOWER_BOUND, interpret=FLAGS.interpret,
-                                  sequence_split=0, options=opts)[0]
+                                  sequence_split=variant_split, options=opts)[0]
         loss = _op_loss(op, op_in[5])
         vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
         for kernel, fn in (("op_fwd", op), ("op_fwd_bwd", vg)):
-            row = {"shape": FLAGS.shapes[0], "kernel": kernel, "variant": spec}
+            row = {"shape": FLAGS.shapes[0], "kernel": kernel, "variant": spec, "state_stages": stages,
+                   "variant_split": FLAGS.variant_split}
             jobs.append((row, lambda fn=fn: (jax.jit(fn).lower(*op_in[:5]).compile(), op_in[:5]),
                          "time"))
         if chk is not None:

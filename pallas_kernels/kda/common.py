@@ -53,6 +53,8 @@ BF16X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 # Module attributes so that the benchmark can sweep them; ignored in interpret mode.
 STATE_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
 INTRA_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=1)
+# cumsum.chunk_cumsum: one [C, K] fp32 block in, one out, no loop.
+CUMSUM_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
 # fwd.output_fwd (o from the saved states; 2 dots per program); pipelining left at Triton's default.
 OUTPUT_PARAMS = pltriton.CompilerParams(num_warps=4)
 

@@ -56,7 +56,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, fwd, split
+from pallas_kernels.kda import bwd, common, cumsum, fwd, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -156,6 +156,11 @@ class KernelOptions:
       sums with the contraction over V split into blocks (fp32 rounding only). Kernel a needs no
       gate bound, so it is also allowed with lower_bound=None (UNBOUNDED_OPTION_SETS). It exists
       only in the two-kernel backward, so it implies split_intra_bwd.
+    pallas_cumsum (default False until a GPU run times it; round 5 of kda_pallas_notes.md): the
+      two cumsums that xla_gate_cumsum moves out of the intra kernels run as one Pallas kernel each
+      (cumsum.chunk_cumsum: one read and one write of g / dG) instead of XLA's associative scan
+      (0.32 ms at 8x4096x16 against fla's 0.13 ms cumsum kernel). Same sums up to fp32 rounding.
+      Without xla_gate_cumsum there is no such cumsum and it is ignored.
     """
 
     split_intra_bwd: bool = True
@@ -166,13 +171,14 @@ class KernelOptions:
     split_intra_fwd: bool = True
     compact_offdiag_bwd: bool = True
     tile_state_bwd: bool = False
+    pallas_cumsum: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
 # the gate cumsums inside the kernels (the defaults until 2026-12-01).
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
-                               compact_offdiag_bwd=False, tile_state_bwd=False)
+                               compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False)
 
 
 # The only option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -181,11 +187,13 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 # KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
-                                  compact_offdiag_bwd=True, tile_state_bwd=False)
-# Every option set unbounded gates run with: UNBOUNDED_OPTIONS, and the same with tile_state_bwd (it
+                                  compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=False)
+# Every option set unbounded gates run with: UNBOUNDED_OPTIONS, with or without tile_state_bwd (it
 # changes only the backward's kernel a, which needs no gate bound; tested in interpret mode against
-# UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states).
-UNBOUNDED_OPTION_SETS = (UNBOUNDED_OPTIONS, dataclasses.replace(UNBOUNDED_OPTIONS, tile_state_bwd=True))
+# UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states) and with or without pallas_cumsum (the
+# same cumsums in another kernel; TestPallasCumsum).
+UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, tile_state_bwd=t, pallas_cumsum=c)
+                              for c in (False, True) for t in (False, True))
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -275,6 +283,14 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
     return o, h, (ht if seg_chunks else ht_pass)
 
 
+def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
+    """The chunk-local (reverse) cumsum that options.xla_gate_cumsum moves out of the intra kernels:
+    XLA's (common.chunk_cumsum) or, with options.pallas_cumsum, the Pallas kernel's."""
+    if options.pallas_cumsum:
+        return cumsum.chunk_cumsum(x, chunk_size, reverse=reverse, interpret=interpret)
+    return common.chunk_cumsum(x, chunk_size, reverse=reverse)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
 def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, interpret, options,
           unbounded):
@@ -286,7 +302,7 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
     options.parallel_output, whose output kernel reads them).
     """
     if options.xla_gate_cumsum:
-        g = common.chunk_cumsum(g, chunk_size)
+        g = _gate_cumsum(g, chunk_size, options, interpret)
     fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
                         factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
                         gate_cumsum=options.xla_gate_cumsum, segments=rel,
@@ -303,7 +319,7 @@ def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks,
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
     # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
     if options.xla_gate_cumsum:
-        g = common.chunk_cumsum(g, chunk_size)
+        g = _gate_cumsum(g, chunk_size, options, interpret)
     *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                                interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
                                save_solve=True, bf16_dots=options.bf16_intra_dots,
@@ -340,7 +356,7 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
                                           state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd
                                                          else None))
     if options.xla_gate_cumsum:
-        dg = common.chunk_cumsum(dg, chunk_size, reverse=True)
+        dg = _gate_cumsum(dg, chunk_size, options, interpret, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
 
 
