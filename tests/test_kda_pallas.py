@@ -328,14 +328,15 @@ class TestSupported:
     def test_unbounded_gates_need_the_default_options(self):
         # lower_bound=None runs only with the seven round-3 KernelOptions fields on (the exact diagonal
         # tiles exist in intra_fwd_split + xla_gate_cumsum and the compact backward), tile_state_bwd
-        # either way (it changes only the backward's kernel a, which needs no bound); any other set
+        # and pallas_cumsum either way (kernel a needs no bound; the cumsum is the same sum); any other set
         # is refused, naming lower_bound and the options, and kda_pallas raises it.
         assert ops.supported(*self._inputs(), lower_bound=None) == (True, "")
         assert ops.supported(*self._inputs(), lower_bound=None, options=ops.KernelOptions()) == (True, "")
         tiled = dataclasses.replace(ops.UNBOUNDED_OPTIONS, tile_state_bwd=True)
         assert ops.supported(*self._inputs(), lower_bound=None, options=tiled) == (True, "")
         off_one = [dataclasses.replace(opts, **{f.name: False}) for opts in (ops.UNBOUNDED_OPTIONS, tiled)
-                   for f in dataclasses.fields(ops.KernelOptions) if f.name != "tile_state_bwd"]
+                   for f in dataclasses.fields(ops.KernelOptions)
+                   if f.name not in ("tile_state_bwd", "pallas_cumsum")]
         for options in off_one + [ops.ROUND2_OPTIONS]:
             ok, why = ops.supported(*self._inputs(), lower_bound=None, options=options)
             assert not ok and "lower_bound" in why and "options" in why, options
@@ -473,16 +474,16 @@ class TestTritonLowering:
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
         beta = jax.ShapeDtypeStruct((B, T, H), dtype)
 
-        # Kernel counts relative to the round-2 kernels (ops.ROUND2_OPTIONS): the default (every
-        # ops.KernelOptions field on) has +2 forward calls (output_fwd, intra_fwd_b) and +1 backward
-        # (intra_bwd_b); "split_fwd+compact" (round 2 plus those two) +1 forward, +1 backward.
+        # Kernel counts relative to the round-2 kernels (ops.ROUND2_OPTIONS): the default has +3
+        # forward calls (output_fwd, intra_fwd_b, the Pallas gate cumsum) and +2 backward
+        # (intra_bwd_b, the reverse cumsum); "split_fwd+compact" (round 2 plus those two) +1 forward, +1 backward.
         # "base+tile_state" (the default plus kernel a over V blocks) has the default's counts.
         options = {None: None, "round2": ops.ROUND2_OPTIONS,
                    "split_fwd+compact": dataclasses.replace(ops.ROUND2_OPTIONS, split_intra_fwd=True,
                                                             compact_offdiag_bwd=True),
                    "base+tile_state": dataclasses.replace(ops.KernelOptions(), tile_state_bwd=True)}[variants]
-        extra_fwd, extra_bwd = {None: (2, 1), "round2": (0, 0), "split_fwd+compact": (1, 1),
-                                "base+tile_state": (2, 1)}[variants]
+        extra_fwd, extra_bwd = {None: (3, 2), "round2": (0, 0), "split_fwd+compact": (1, 1),
+                                "base+tile_state": (3, 2)}[variants]
 
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 

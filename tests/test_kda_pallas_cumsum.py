@@ -67,8 +67,8 @@ class TestPallasCumsumOption:
     @pytest.mark.parametrize("dtype, segments, lower_bound", [("bfloat16", True, -5.0),
                                                               ("float32", False, None)])
     def test_op_matches_xla_cumsum(self, dtype, segments, lower_bound):
-        # o, ht and every gradient with pallas_cumsum vs the default options (UNBOUNDED_OPTIONS for
-        # lower_bound=None); T = 250 (padded to 256), segment_ids with bf16, softplus gates with fp32.
+        # o, ht and every gradient with pallas_cumsum (the default) vs the XLA cumsum (the default
+        # options, UNBOUNDED_OPTIONS for lower_bound=None, with pallas_cumsum=False); T = 250 (padded to 256), segment_ids with bf16, softplus gates with fp32.
         # The forward cumsum is bit-equal to XLA's here, so o and ht are; dg differs by the reverse
         # cumsum's rounding only.
         B, T, H, K, V = 2, 250, 1, 32, 64
@@ -77,7 +77,8 @@ class TestPallasCumsumOption:
         seg = _segment_ids(SEGMENT_CUTS, T) if segments else None
         do = jax.random.normal(jax.random.PRNGKey(51), (B, T, H, V))
         dht = jax.random.normal(jax.random.PRNGKey(52), (B, H, K, V))
-        base = ops.KernelOptions() if lower_bound is not None else ops.UNBOUNDED_OPTIONS
+        base = dataclasses.replace(ops.KernelOptions() if lower_bound is not None else ops.UNBOUNDED_OPTIONS,
+                                   pallas_cumsum=False)
 
         def run(options):
             kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
@@ -92,13 +93,15 @@ class TestPallasCumsumOption:
             assert_rms_close(f"pallas_cumsum {name}", g0[name], grads[name], 1e-5)
 
     def test_unbounded_accepts_it(self):
-        opts = dataclasses.replace(ops.UNBOUNDED_OPTIONS, pallas_cumsum=True)
-        assert opts in ops.UNBOUNDED_OPTION_SETS
-        assert dataclasses.replace(opts, tile_state_bwd=True) in ops.UNBOUNDED_OPTION_SETS
+        assert ops.KernelOptions().pallas_cumsum and ops.UNBOUNDED_OPTIONS == ops.KernelOptions()
+        for pc in (False, True):
+            opts = dataclasses.replace(ops.UNBOUNDED_OPTIONS, pallas_cumsum=pc)
+            assert opts in ops.UNBOUNDED_OPTION_SETS
+            assert dataclasses.replace(opts, tile_state_bwd=True) in ops.UNBOUNDED_OPTION_SETS
 
     def test_lowers_for_cuda(self):
         # One more Triton call in the forward (the cumsum) and one more in the backward (the reverse
-        # cumsum) than the default options; the XLA cumsum (a reduce-window / scan loop) is gone.
+        # cumsum) than with the XLA cumsum.
         B, T, H, K = 1, 1024, 2, 128
         q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
         g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
@@ -112,8 +115,8 @@ class TestPallasCumsumOption:
                 text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, g, beta).lower(
                     lowering_platforms=("cuda",)).as_text()
             return text.count("__gpu$xla.gpu.triton"), text.count("kda_chunk_cumsum")
-        n0, c0 = count(ops.KernelOptions())
-        n1, c1 = count(dataclasses.replace(ops.KernelOptions(), pallas_cumsum=True))
+        n0, c0 = count(dataclasses.replace(ops.KernelOptions(), pallas_cumsum=False))
+        n1, c1 = count(ops.KernelOptions())
         assert (n1, c0) == (n0 + 2, 0) and c1 >= 2
 
 

@@ -38,8 +38,8 @@ Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is
 g = -exp(A_log) softplus(.)) the diagonal tiles are computed exactly instead, elementwise with every
 exp argument <= 0 (common.own_block_scores in fwd.intra_fwd_split's kernel a, bwd._own_block_bwd in
 the compact backward kernel b); all other kernels need no bound. That path exists only for the
-default option set (UNBOUNDED_OPTIONS, all seven on, with or without tile_state_bwd:
-UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
+default option set (UNBOUNDED_OPTIONS: the seven round-3 fields on, with or without tile_state_bwd
+and pallas_cumsum: UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
@@ -156,11 +156,13 @@ class KernelOptions:
       sums with the contraction over V split into blocks (fp32 rounding only). Kernel a needs no
       gate bound, so it is also allowed with lower_bound=None (UNBOUNDED_OPTION_SETS). It exists
       only in the two-kernel backward, so it implies split_intra_bwd.
-    pallas_cumsum (default False until a GPU run times it; round 5 of kda_pallas_notes.md): the
-      two cumsums that xla_gate_cumsum moves out of the intra kernels run as one Pallas kernel each
+    pallas_cumsum (round 5 of kda_pallas_notes.md; default since 2026-12-01): the two cumsums that
+      xla_gate_cumsum moves out of the intra kernels run as one Pallas kernel each
       (cumsum.chunk_cumsum: one read and one write of g / dG) instead of XLA's associative scan
-      (0.32 ms at 8x4096x16 against fla's 0.13 ms cumsum kernel). Same sums up to fp32 rounding.
-      Without xla_gate_cumsum there is no such cumsum and it is ignored.
+      (0.32 ms at 8x4096x16 against fla's 0.13 ms cumsum kernel). Measured on the H200: op
+      2.88 -> 2.39 ms forward, 13.42 -> 12.68 ms forward+backward at 8x4096x16x128, errors vs the
+      fp32 recurrence unchanged to 3 digits. Same sums up to fp32 rounding. Without
+      xla_gate_cumsum there is no such cumsum and it is ignored.
     """
 
     split_intra_bwd: bool = True
@@ -171,7 +173,7 @@ class KernelOptions:
     split_intra_fwd: bool = True
     compact_offdiag_bwd: bool = True
     tile_state_bwd: bool = False
-    pallas_cumsum: bool = False
+    pallas_cumsum: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -187,13 +189,13 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 # KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
-                                  compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=False)
+                                  compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True)
 # Every option set unbounded gates run with: UNBOUNDED_OPTIONS, with or without tile_state_bwd (it
 # changes only the backward's kernel a, which needs no gate bound; tested in interpret mode against
 # UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states) and with or without pallas_cumsum (the
 # same cumsums in another kernel; TestPallasCumsum).
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, tile_state_bwd=t, pallas_cumsum=c)
-                              for c in (False, True) for t in (False, True))
+                              for c in (True, False) for t in (False, True))
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -205,8 +207,8 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
       options a KernelOptions or None = KernelOptions()), plus the dispatch option use_qk_l2norm,
       which the kernel does not implement. Compiled (interpret=False) fp32 calls are covered only up
       to K, V <= MAX_FP32_HEAD_DIM (see there). lower_bound=None (unbounded gates) is covered only
-      with options in UNBOUNDED_OPTION_SETS (the seven round-3 fields on, the default, with or
-      without tile_state_bwd).
+      with options in UNBOUNDED_OPTION_SETS (the seven round-3 fields on, as by default, with or
+      without tile_state_bwd and pallas_cumsum).
     Returns: (True, "") or (False, reason).
     """
     if use_qk_l2norm:
@@ -215,8 +217,8 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
         opts = KernelOptions() if options is None else options
         if opts not in UNBOUNDED_OPTION_SETS:
             return False, ("lower_bound=None (unbounded gates) runs in the Pallas KDA kernel only with the "
-                           "default options (the seven round-3 KernelOptions fields on, tile_state_bwd either way: "
-                           f"UNBOUNDED_OPTION_SETS); got {options=}: "
+                           "default options (the seven round-3 KernelOptions fields on, tile_state_bwd and "
+                           f"pallas_cumsum either way: UNBOUNDED_OPTION_SETS); got {options=}: "
                            "the exact diagonal tiles exist only in intra_fwd_split with xla_gate_cumsum and the "
                            "compact_offdiag_bwd backward")
     elif isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
