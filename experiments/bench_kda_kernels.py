@@ -43,6 +43,11 @@ and dtypes (the kernels' times do not depend on the values). All rows are lowere
 JSON keeps the rows done).
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --ablate=none,compute,scores \
       --ablate_warps=8,4 --time_budget_s=130 --out=$OUT/kda_profile.json
+A/B of option sets (--variants, same mode): the whole op per ops.KernelOptions spec ("base",
+"base+pallas_cumsum", ...), fwd, fwd+bwd and errors; --state_stages (one value per process) sets the
+serial kernels' num_stages, --variant_split their sequence split (round 5 of kda_pallas_notes.md):
+  python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --variants=base,base+tile_state \
+      --state_stages=2 --check_shape=1x1024x2x128 --out=$OUT/ab.json
 """
 from __future__ import annotations
 
@@ -268,16 +273,17 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_a": bwd.A_ABLATIONS + ("tile_state", "tile_state32"),
                   "intra_bwd_b": (),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
-# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options on since
+# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options and pallas_cumsum on since
 # 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of the
 # options to turn ON over round 2 ("a+b" sets both), or "base+a[+b]": those turned ON over the
 # defaults (e.g. "base+tile_state"). Result JSONs before 2026-12-01 03:00 UTC (kda_ab_round3_h200.json
-# included) wrote "base" for the then-default all-off kernels, i.e. today's "round2".
+# included) wrote "base" for the then-default all-off kernels, i.e. today's "round2"; those of round 5
+# (kda_ab_round5_h200/, commit 5a812f7) for the defaults without pallas_cumsum.
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
                   "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd",
-                  "pallas_cumsum": "pallas_cumsum"}
+                  "pallas_cumsum": "pallas_cumsum", "bf16_state_bwd": "bf16_state_bwd_dots"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
