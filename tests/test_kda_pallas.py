@@ -271,7 +271,7 @@ class TestPallasRound2Interpret(TestPallasInterpret):
         # are compared to the recurrence by this class's shared tests. Options with like
         # tolerances run together (CI time).
         for fields, tol in ((("split_intra_bwd", "xla_gate_cumsum"), 1e-4),
-                            (("parallel_output", "bf16_state_dots"), 5e-3),
+                            (("parallel_output", "bf16_state_dots", "bf16_state_bwd_dots"), 5e-3),
                             (("bf16_intra_dots",), 8e-3),
                             (("split_intra_fwd", "compact_offdiag_bwd"), 1e-4)):
             o, ht, grads = run(dataclasses.replace(ops.ROUND2_OPTIONS, **{f: True for f in fields}))
@@ -335,8 +335,7 @@ class TestSupported:
         tiled = dataclasses.replace(ops.UNBOUNDED_OPTIONS, tile_state_bwd=True)
         assert ops.supported(*self._inputs(), lower_bound=None, options=tiled) == (True, "")
         off_one = [dataclasses.replace(opts, **{f.name: False}) for opts in (ops.UNBOUNDED_OPTIONS, tiled)
-                   for f in dataclasses.fields(ops.KernelOptions)
-                   if f.name not in ("tile_state_bwd", "pallas_cumsum")]
+                   for f in dataclasses.fields(ops.KernelOptions) if f.name not in ops.BOUND_FREE_FIELDS]
         for options in off_one + [ops.ROUND2_OPTIONS]:
             ok, why = ops.supported(*self._inputs(), lower_bound=None, options=options)
             assert not ok and "lower_bound" in why and "options" in why, options
@@ -641,6 +640,67 @@ class TestTileStateBwd:
         tol = 1e-4 if dtype == "bfloat16" else 1e-5
         for name in GRAD_NAMES:
             assert_rms_close(f"tile_state {name}", g0[name], grads[name], tol)
+
+
+class TestBf16StateBwdDots:
+    """ops.KernelOptions.bf16_state_bwd_dots: bf16 operands in the backward state pass's three dots
+    (bf16 inputs only). Rounding only: o and ht untouched, gradients within bf16 rounding of the
+    default; fp32 inputs and unbounded gates ignore / accept it; it reaches the lowered kernel."""
+
+    def test_op_matches_default(self):
+        # Measured (interpret, bf16, segment_ids, initial state): o, ht bit-identical; gradients vs
+        # the default: dq identical (it reads the forward states only), dk 1.9e-3, dv 2.1e-3, dg 1.9e-3,
+        # dbeta 2.5e-3, dh0 9.4e-4 (bf16 rounding of dS and dV' per dot; the default's own error vs
+        # the fp32 recurrence is ~3e-3).
+        B, T, H, K, V = 2, 250, 1, 32, 64
+        x = make_kda_inputs(jax.random.PRNGKey(60), B, T, H, K, V, dtype=jnp.bfloat16)
+        x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
+        seg = _segment_ids(SEGMENT_CUTS, T)
+        do = jax.random.normal(jax.random.PRNGKey(61), (B, T, H, V))
+        dht = jax.random.normal(jax.random.PRNGKey(62), (B, H, K, V))
+
+        def run(options, x=x, lower_bound=-5.0, seg=seg):
+            kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
+                      segment_ids=seg)
+            return jax.jit(lambda x: kda_loss_and_grads(
+                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+        base = ops.KernelOptions()
+        on = dataclasses.replace(base, bf16_state_bwd_dots=True)
+        (o0, ht0, g0), (o, ht, grads) = run(base), run(on)
+        np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
+        np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
+        for name in GRAD_NAMES:
+            assert_rms_close(f"bf16_state_bwd {name}", g0[name], grads[name], 5e-3)
+        # fp32 inputs ignore it (bit-identical), also for unbounded gates, where it is accepted
+        x32 = make_kda_inputs(jax.random.PRNGKey(63), 1, 128, 1, 16, 16, gate="softplus")
+        d32 = jax.random.normal(jax.random.PRNGKey(64), (1, 128, 1, 16))
+        h32 = jax.random.normal(jax.random.PRNGKey(65), (1, 1, 16, 16))
+        for lb in (-5.0, None):
+            outs = [jax.jit(lambda x, opts=opts: kda_loss_and_grads(
+                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, lower_bound=lb,
+                                                         output_final_state=True, interpret=True,
+                                                         options=opts), x, d32, h32))(
+                x32 if lb is None else dict(x32, g=jnp.maximum(x32["g"], -5.0)))
+                for opts in (base, on)]
+            for name in GRAD_NAMES:
+                np.testing.assert_array_equal(np.asarray(outs[0][2][name]), np.asarray(outs[1][2][name]))
+
+    def test_lowers_and_changes_the_kernel(self):
+        B, T, H, K = 1, 256, 2, 128
+        q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
+        g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+        beta = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)
+
+        def text(options):
+            def loss(*a):
+                return jnp.sum(ops.kda_pallas(*a, lower_bound=-5.0, sequence_split=0,
+                                              options=options)[0].astype(jnp.float32))
+            with _fake_h200():
+                return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, g, beta).lower(
+                    lowering_platforms=("cuda",)).as_text()
+        base, on = text(ops.KernelOptions()), text(dataclasses.replace(ops.KernelOptions(),
+                                                                       bf16_state_bwd_dots=True))
+        assert base != on and base.count("__gpu$xla.gpu.triton") == on.count("__gpu$xla.gpu.triton")
 
 
 @pytest.mark.gpu

@@ -68,7 +68,8 @@ class TestPallasCumsumOption:
                                                               ("float32", False, None)])
     def test_op_matches_xla_cumsum(self, dtype, segments, lower_bound):
         # o, ht and every gradient with pallas_cumsum (the default) vs the XLA cumsum (the default
-        # options, UNBOUNDED_OPTIONS for lower_bound=None, with pallas_cumsum=False); T = 250 (padded to 256), segment_ids with bf16, softplus gates with fp32.
+        # options, UNBOUNDED_OPTIONS for lower_bound=None, with pallas_cumsum=False); T = 250 (padded
+        # to 256), segment_ids with bf16, softplus gates with fp32.
         # The forward cumsum is bit-equal to XLA's here, so o and ht are; dg differs by the reverse
         # cumsum's rounding only.
         B, T, H, K, V = 2, 250, 1, 32, 64

@@ -38,8 +38,8 @@ Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is
 g = -exp(A_log) softplus(.)) the diagonal tiles are computed exactly instead, elementwise with every
 exp argument <= 0 (common.own_block_scores in fwd.intra_fwd_split's kernel a, bwd._own_block_bwd in
 the compact backward kernel b); all other kernels need no bound. That path exists only for the
-default option set (UNBOUNDED_OPTIONS: the seven round-3 fields on, with or without tile_state_bwd
-and pallas_cumsum: UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
+default option set (UNBOUNDED_OPTIONS: the seven round-3 fields on, any values of BOUND_FREE_FIELDS:
+UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +150,8 @@ class KernelOptions:
       ([16, n] x [n, K] dots, n <= 64) instead of 12 masked [64, 64] x [64, K] dots of which 3/4 of
       the rows are zero (bwd._intra_bwd_b_compact_kernel). It needs the score gradients in HBM, so
       it runs the two-kernel backward whatever split_intra_bwd says (implies it).
-    tile_state_bwd (default False until a GPU run times it; round 4 of kda_pallas_notes.md): kernel a
+    tile_state_bwd (off: measured slower on the H200, op fwd+bwd 13.26 -> 15.04 ms at 8x4096x16x128,
+      kernel a 6.95 -> 8.64 ms; round 4 of kda_pallas_notes.md): kernel a
       of the two-kernel backward forms its state products over V blocks of bwd.STATE_BLOCK_V = 64
       columns (bwd._state_products_tiled: [64, K] row slices of the saved state and its gradient,
       column slices of dO, dV', U, V, dv) instead of holding both whole [V, K] fp32 states; same
@@ -163,6 +165,11 @@ class KernelOptions:
       2.88 -> 2.39 ms forward, 13.42 -> 12.68 ms forward+backward at 8x4096x16x128, errors vs the
       fp32 recurrence unchanged to 3 digits. Same sums up to fp32 rounding. Without
       xla_gate_cumsum there is no such cumsum and it is ignored.
+    bf16_state_bwd_dots (default False until a GPU run times it; round 6 of kda_pallas_notes.md):
+      bf16 inputs only: the three dots of the backward's serial state pass (bwd.state_bwd) take bf16
+      operands (dS and dV' rounded to bf16 per dot, as fla's chunk_gated_delta_rule_bwd_dhu) instead
+      of fp32 operands at TF32, as bf16_state_dots does for the forward's pass; the sequence split's
+      transitions keep exact precision. fp32 inputs ignore it.
     """
 
     split_intra_bwd: bool = True
@@ -174,13 +181,15 @@ class KernelOptions:
     compact_offdiag_bwd: bool = True
     tile_state_bwd: bool = False
     pallas_cumsum: bool = True
+    bf16_state_bwd_dots: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
 # the gate cumsums inside the kernels (the defaults until 2026-12-01).
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
-                               compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False)
+                               compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
+                               bf16_state_bwd_dots=False)
 
 
 # The only option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -189,13 +198,15 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 # KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
-                                  compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True)
-# Every option set unbounded gates run with: UNBOUNDED_OPTIONS, with or without tile_state_bwd (it
-# changes only the backward's kernel a, which needs no gate bound; tested in interpret mode against
-# UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states) and with or without pallas_cumsum (the
-# same cumsums in another kernel; TestPallasCumsum).
-UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, tile_state_bwd=t, pallas_cumsum=c)
-                              for c in (True, False) for t in (False, True))
+                                  compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
+                                  bf16_state_bwd_dots=False)
+# The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
+# backward state pass's dot precision): unbounded gates run with UNBOUNDED_OPTIONS and any values of
+# these (tested in interpret mode against UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states,
+# TestPallasCumsumOption, TestBf16StateBwdDots).
+BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots")
+UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
+                              for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
 
 def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2norm=False,
@@ -207,8 +218,8 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
       options a KernelOptions or None = KernelOptions()), plus the dispatch option use_qk_l2norm,
       which the kernel does not implement. Compiled (interpret=False) fp32 calls are covered only up
       to K, V <= MAX_FP32_HEAD_DIM (see there). lower_bound=None (unbounded gates) is covered only
-      with options in UNBOUNDED_OPTION_SETS (the seven round-3 fields on, as by default, with or
-      without tile_state_bwd and pallas_cumsum).
+      with options in UNBOUNDED_OPTION_SETS (the seven round-3 fields on, as by default, any values
+      of BOUND_FREE_FIELDS).
     Returns: (True, "") or (False, reason).
     """
     if use_qk_l2norm:
@@ -217,8 +228,8 @@ def supported(q, k, v, g, beta, *, lower_bound=None, segment_ids=None, use_qk_l2
         opts = KernelOptions() if options is None else options
         if opts not in UNBOUNDED_OPTION_SETS:
             return False, ("lower_bound=None (unbounded gates) runs in the Pallas KDA kernel only with the "
-                           "default options (the seven round-3 KernelOptions fields on, tile_state_bwd and "
-                           f"pallas_cumsum either way: UNBOUNDED_OPTION_SETS); got {options=}: "
+                           "default options (the seven round-3 KernelOptions fields on, BOUND_FREE_FIELDS either "
+                           f"way: UNBOUNDED_OPTION_SETS); got {options=}: "
                            "the exact diagonal tiles exist only in intra_fwd_split with xla_gate_cumsum and the "
                            "compact_offdiag_bwd backward")
     elif isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
@@ -337,16 +348,18 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
     q, k, v, g, beta, h0, rel, h, (qg, kd, w, u, aqk, gl), A, M = res
     do, dht = cts
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
+    bf16 = options.bf16_state_bwd_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+    state_prec = common.BF16_OPERANDS if bf16 else common.mm_precision(q.dtype)
     if seg_chunks:
         Q, Z = split.transitions_bwd(qg, kd, w, aqk, gl, do, seg_chunks=seg_chunks,
                                      precision=common.exact_precision(q.dtype), **kw)
         ends, _ = split.segment_scan(dht, Q, Z, reverse=True, block_v=block_v, interpret=interpret,
                                      precision=common.exact_precision(q.dtype))
-        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, ends, precision=common.mm_precision(q.dtype),
+        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, ends, precision=state_prec,
                                     state_dtype=h.dtype, **kw)
         dh0 = dh0[:, :, 0]
     else:
-        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=common.mm_precision(q.dtype),
+        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=state_prec,
                                     state_dtype=h.dtype, **kw)
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret,
