@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from typing import Callable
 
@@ -149,6 +150,16 @@ def jitted(op: Callable, mode: str) -> Callable:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
+# fla's inputs in torch, make_inputs' recipe (B, T, H, K defined before; also profile_kda_peers').
+FLA_INPUTS = """\
+torch.manual_seed(0)
+q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+v = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
+beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
+"""
+
 FLA_SCRIPT = r"""
 import json, sys, torch
 from triton.testing import do_bench
@@ -159,13 +170,7 @@ versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
 rows = []
 for shape in sys.argv[1].split(","):
     B, T, H, K = (int(x) for x in shape.lower().split("x"))
-    torch.manual_seed(0)
-    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-    g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
-    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
-    kw = dict(safe_gate=True, lower_bound=-5.0)
+""" + textwrap.indent(FLA_INPUTS, "    ") + r"""    kw = dict(safe_gate=True, lower_bound=-5.0)
     fwd = do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=50, rep=200, return_mode="median")
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
     do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)

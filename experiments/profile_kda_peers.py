@@ -52,13 +52,7 @@ import fla
 from fla.ops.kda import chunk_kda
 B, T, H, K = (int(x) for x in sys.argv[1].lower().split("x"))
 iters, warmup, modes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
-torch.manual_seed(0)
-q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-v = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
-beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
-do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+""" + bench_kda.FLA_INPUTS + r"""do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
 kw = dict(safe_gate=True, lower_bound=-5.0)
 leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
 def fwd():

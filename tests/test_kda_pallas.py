@@ -420,6 +420,43 @@ def _fake_h200():
     return mock.patch.object(gpu_info, "get_gpu_info", lambda: info)
 
 
+def pallas_outputs(x, do, dht, options, *, lower_bound=-5.0, segment_ids=None):
+    """(o, ht, grads) of kda_pallas in interpret mode with an initial state (kda_loss_and_grads), for
+    comparing two KernelOptions on the same inputs."""
+    kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
+              segment_ids=segment_ids)
+    return jax.jit(lambda x: kda_loss_and_grads(
+        lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+
+
+def option_ab_inputs(seed, dtype, *, segments: bool, lower_bound, V, B=2, T=250, H=1, K=32):
+    """Inputs for comparing two KernelOptions through the op: (x, segment_ids or None, do, dht).
+    Bounded gates with segment_ids are scaled by 0.01 (mild decay: state carried across whole
+    documents, so a document-boundary slip would show); lower_bound=None gets softplus gates."""
+    x = make_kda_inputs(jax.random.PRNGKey(seed), B, T, H, K, V, dtype=jnp.dtype(dtype),
+                        gate="bounded" if lower_bound is not None else "softplus")
+    seg = _segment_ids(SEGMENT_CUTS, T) if segments else None
+    if segments:
+        x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
+    do = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, T, H, V))
+    dht = jax.random.normal(jax.random.PRNGKey(seed + 2), (B, H, K, V))
+    return x, seg, do, dht
+
+
+def lowered_grad_text(options, B=1, T=256, H=2, K=128):
+    """The gradient of sum(kda_pallas(...)) (bf16, lower_bound -5, no sequence split) lowered for a
+    faked H200, as text."""
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+    beta = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)
+
+    def loss(*a):
+        return jnp.sum(ops.kda_pallas(*a, lower_bound=-5.0, sequence_split=0, options=options)[0].astype(jnp.float32))
+    with _fake_h200():
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, g, beta).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
 class TestTritonLowering:
     """Forward and gradient lower to Triton IR for CUDA (bf16 at K = V = 128, the benchmark's head dim;
     fp32 at the largest head dim supported compiled, ops.MAX_FP32_HEAD_DIM)."""
@@ -618,23 +655,11 @@ class TestTileStateBwd:
         # (SEGMENT_CUTS) with bf16, unbounded softplus gates with fp32. Measured (interpret): o, ht,
         # dv, dh0 bit-identical (the forward and the state pass are untouched), dq, dk, dbeta <= 2e-7,
         # dg 1e-5 (bf16) / 5e-7 (fp32): fp32 rounding, amplified in dg by the reverse cumsum.
-        B, T, H, K, V = 2, 250, 1, 32, 128
-        x = make_kda_inputs(jax.random.PRNGKey(42), B, T, H, K, V, dtype=jnp.dtype(dtype),
-                            gate="bounded" if lower_bound is not None else "softplus")
-        seg = _segment_ids(SEGMENT_CUTS, T) if segments else None
-        if segments:
-            x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
-        do = jax.random.normal(jax.random.PRNGKey(43), (B, T, H, V))
-        dht = jax.random.normal(jax.random.PRNGKey(44), (B, H, K, V))
+        x, seg, do, dht = option_ab_inputs(42, dtype, segments=segments, lower_bound=lower_bound, V=128)
         base = ops.KernelOptions()
-
-        def run(options):
-            kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
-                      segment_ids=seg)
-            return jax.jit(lambda x: kda_loss_and_grads(
-                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
-        o0, ht0, g0 = run(base)
-        o, ht, grads = run(dataclasses.replace(base, tile_state_bwd=True))
+        kw = dict(lower_bound=lower_bound, segment_ids=seg)
+        o0, ht0, g0 = pallas_outputs(x, do, dht, base, **kw)
+        o, ht, grads = pallas_outputs(x, do, dht, dataclasses.replace(base, tile_state_bwd=True), **kw)
         np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
         np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
         tol = 1e-4 if dtype == "bfloat16" else 1e-5
@@ -652,21 +677,11 @@ class TestBf16StateBwdDots:
         # the default: dq identical (it reads the forward states only), dk 1.9e-3, dv 2.1e-3, dg 1.9e-3,
         # dbeta 2.5e-3, dh0 9.4e-4 (bf16 rounding of dS and dV' per dot; the default's own error vs
         # the fp32 recurrence is ~3e-3).
-        B, T, H, K, V = 2, 250, 1, 32, 64
-        x = make_kda_inputs(jax.random.PRNGKey(60), B, T, H, K, V, dtype=jnp.bfloat16)
-        x["g"] = (0.01 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
-        seg = _segment_ids(SEGMENT_CUTS, T)
-        do = jax.random.normal(jax.random.PRNGKey(61), (B, T, H, V))
-        dht = jax.random.normal(jax.random.PRNGKey(62), (B, H, K, V))
+        x, seg, do, dht = option_ab_inputs(60, "bfloat16", segments=True, lower_bound=-5.0, V=64)
 
-        def run(options, x=x, lower_bound=-5.0, seg=seg):
-            kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
-                      segment_ids=seg)
-            return jax.jit(lambda x: kda_loss_and_grads(
-                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
         base = ops.KernelOptions()
         on = dataclasses.replace(base, bf16_state_bwd_dots=True)
-        (o0, ht0, g0), (o, ht, grads) = run(base), run(on)
+        (o0, ht0, g0), (o, ht, grads) = (pallas_outputs(x, do, dht, opts, segment_ids=seg) for opts in (base, on))
         np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
         np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
         for name in GRAD_NAMES:
@@ -676,30 +691,14 @@ class TestBf16StateBwdDots:
         d32 = jax.random.normal(jax.random.PRNGKey(64), (1, 128, 1, 16))
         h32 = jax.random.normal(jax.random.PRNGKey(65), (1, 1, 16, 16))
         for lb in (-5.0, None):
-            outs = [jax.jit(lambda x, opts=opts: kda_loss_and_grads(
-                lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, lower_bound=lb,
-                                                         output_final_state=True, interpret=True,
-                                                         options=opts), x, d32, h32))(
-                x32 if lb is None else dict(x32, g=jnp.maximum(x32["g"], -5.0)))
-                for opts in (base, on)]
+            xi = x32 if lb is None else dict(x32, g=jnp.maximum(x32["g"], -5.0))
+            outs = [pallas_outputs(xi, d32, h32, opts, lower_bound=lb) for opts in (base, on)]
             for name in GRAD_NAMES:
                 np.testing.assert_array_equal(np.asarray(outs[0][2][name]), np.asarray(outs[1][2][name]))
 
     def test_lowers_and_changes_the_kernel(self):
-        B, T, H, K = 1, 256, 2, 128
-        q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
-        g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
-        beta = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)
-
-        def text(options):
-            def loss(*a):
-                return jnp.sum(ops.kda_pallas(*a, lower_bound=-5.0, sequence_split=0,
-                                              options=options)[0].astype(jnp.float32))
-            with _fake_h200():
-                return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, g, beta).lower(
-                    lowering_platforms=("cuda",)).as_text()
-        base, on = text(ops.KernelOptions()), text(dataclasses.replace(ops.KernelOptions(),
-                                                                       bf16_state_bwd_dots=True))
+        base = lowered_grad_text(ops.KernelOptions())
+        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=True))
         assert base != on and base.count("__gpu$xla.gpu.triton") == on.count("__gpu$xla.gpu.triton")
 
 
