@@ -175,6 +175,8 @@ for shape in sys.argv[1].split(","):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
     do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
     def fb():
+        for t in leaves:          # fresh gradients each call (no accumulation into .grad)
+            t.grad = None
         o, _ = chunk_kda(*leaves, **kw)
         o.backward(do)
     fwdbwd = do_bench(fb, warmup=50, rep=200, return_mode="median")

@@ -44,7 +44,7 @@ JSON keeps the rows done).
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --ablate=none,compute,scores \
       --ablate_warps=8,4 --time_budget_s=130 --out=$OUT/kda_profile.json
 A/B of option sets (--variants, same mode): the whole op per ops.KernelOptions spec ("base",
-"base+pallas_cumsum", ...), fwd, fwd+bwd and errors; --state_stages (one value per process) sets the
+"base+tile_state", "base-pallas_cumsum", ...), fwd, fwd+bwd and errors; --state_stages (one value per process) sets the
 serial kernels' num_stages, --variant_split their sequence split (round 5 of kda_pallas_notes.md):
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --variants=base,base+tile_state \
       --state_stages=2 --check_shape=1x1024x2x128 --out=$OUT/ab.json
@@ -57,6 +57,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import statistics
 import time
 
@@ -273,12 +274,13 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_a": bwd.A_ABLATIONS + ("tile_state", "tile_state32"),
                   "intra_bwd_b": (),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
-# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options and pallas_cumsum on since
-# 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of the
-# options to turn ON over round 2 ("a+b" sets both), or "base+a[+b]": those turned ON over the
-# defaults (e.g. "base+tile_state"). Result JSONs before 2026-12-01 03:00 UTC (kda_ab_round3_h200.json
-# included) wrote "base" for the then-default all-off kernels, i.e. today's "round2"; those of round 5
-# (kda_ab_round5_h200/, commit 5a812f7) for the defaults without pallas_cumsum.
+# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options and pallas_cumsum
+# on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
+# the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
+# over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01
+# 03:00 UTC (kda_ab_round3_h200.json included) wrote "base" for the then-default all-off kernels,
+# i.e. today's "round2"; those of round 5 (kda_ab_round5_h200/, commit 5a812f7) for the defaults
+# without pallas_cumsum.
 VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
@@ -291,18 +293,20 @@ TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 def variant_options(spec: str) -> ops.KernelOptions:
     """ops.KernelOptions of a --variants spec: "base" (ops.KernelOptions()), "round2"
     (ops.ROUND2_OPTIONS), field short names joined by '+' (each turned on over ops.ROUND2_OPTIONS),
-    or "base+" and such names (each turned on over ops.KernelOptions()).
+    or "base" followed by "+name" (turned on) and "-name" (turned off) over ops.KernelOptions(),
+    e.g. "base-pallas_cumsum" or "base+tile_state-pallas_cumsum".
     Raises: ValueError naming the spec for an unknown name."""
     if spec == "base":
         return ops.KernelOptions()
-    start, rest = ((ops.KernelOptions(), spec[len("base+"):]) if spec.startswith("base+")
-                   else (ops.ROUND2_OPTIONS, spec))
-    names = [] if rest == "round2" else rest.split("+")
-    bad = [n for n in names if n not in VARIANT_FIELDS]
+    if spec.startswith(("base+", "base-")):
+        start, signed = ops.KernelOptions(), re.findall(r"([+-])([^+-]+)", spec[len("base"):])
+    else:
+        start, signed = ops.ROUND2_OPTIONS, [] if spec == "round2" else [("+", n) for n in spec.split("+")]
+    bad = [n for _, n in signed if n not in VARIANT_FIELDS] or ([] if signed or spec == "round2" else [spec])
     if bad:
         raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base', 'round2', '+'-joined "
-                         f"names from {tuple(VARIANT_FIELDS)} or 'base+' and such names")
-    return dataclasses.replace(start, **{VARIANT_FIELDS[n]: True for n in names})
+                         f"names from {tuple(VARIANT_FIELDS)} or 'base' then '+name' / '-name'")
+    return dataclasses.replace(start, **{VARIANT_FIELDS[n]: sign == "+" for sign, n in signed})
 
 
 def profile_inputs(B, T, H, K):

@@ -37,7 +37,7 @@ FLAGS = flags.FLAGS
 # bench_kda's flags are reused: --shapes, --implementations (pallas, chunked, jla; default here pallas,jla),
 # --modes, --iters (profiled calls; default here 10), --warmup, --fla, --declared_lower_bound, --out
 # (output prefix; default here /tmp/k3jax_profile_kda_peers/kda_peers), --from_json (one JSON: re-write
-# the markdown only).
+# the markdown only). Its other flags (--dtype, --chunk_size, ...) do not apply here: bf16, chunk 64.
 flags.DEFINE_integer("top", 14, "kernels per table in the markdown")
 FLAGS.set_default("implementations", ["pallas", "jla"])
 FLAGS.set_default("iters", 10)
@@ -59,6 +59,8 @@ def fwd():
     with torch.no_grad():
         chunk_kda(q, k, v, g, beta, **kw)
 def fb():
+    for t in leaves:              # fresh gradients each call (no accumulation into .grad)
+        t.grad = None
     o, _ = chunk_kda(*leaves, **kw)
     o.backward(do)
 versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
@@ -155,18 +157,23 @@ def save(rows: list[dict]) -> None:
 
 def main(argv):
     del argv
+    if not FLAGS.out:
+        raise ValueError("--out must be a path prefix (the .json and .md are written there)")
     if FLAGS.from_json:
+        if len(FLAGS.from_json) != 1:
+            raise ValueError(f"--from_json takes one JSON of this script; got {FLAGS.from_json}")
         with open(FLAGS.from_json[0]) as f:
-            write_markdown(json.load(f), FLAGS.out + ".md")
+            result = json.load(f)
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        write_markdown(result, FLAGS.out + ".md")
         return
     bench_kda.check_flags()
     if FLAGS.iters < 1 or FLAGS.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0; got {FLAGS.iters}, {FLAGS.warmup}")
     rows = []
-    if FLAGS.fla:                                       # before JAX touches the GPU
+    if FLAGS.fla:            # every shape before JAX touches the GPU (save() would: it asks for the device)
         for shape in FLAGS.shapes:
             rows += [dict(r, shape=shape) for r in profile_fla(shape)]
-            save(rows)
     ops = bench_kda.implementations(64)
     for shape in FLAGS.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))

@@ -48,3 +48,24 @@ def test_package_versions_records_installed_distributions_only():
     import jax  # noqa: PLC0415
 
     assert package_versions(("jax", "no-such-distribution-k3jax")) == {"jax": jax.__version__}
+
+
+def test_profile_kda_peers_tables_from_a_cpu_trace(tmp_path):
+    """experiments/profile_kda_peers.py end to end on CPU (the chunked op, XLA:CPU thunks as the "kernels"):
+    one row per mode with nonzero kernel times and a device-busy time within the traced wall time, the
+    markdown re-written from the JSON, and bad flags refused."""
+    repo = __file__.rsplit("/tests/", 1)[0]
+    run = lambda *a, check=True: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "experiments.profile_kda_peers", *a], cwd=repo, capture_output=True, text=True,
+        check=check, timeout=600)
+    out = tmp_path / "peers"
+    run("--shapes=1x128x1x16", "--implementations=chunked", "--iters=2", "--warmup=0", f"--out={out}")
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert [(r["implementation"], r["mode"]) for r in saved["rows"]] == [("chunked", "fwd"), ("chunked", "fwd+bwd")]
+    for r in saved["rows"]:
+        assert r["kernels"] and sum(k["ms"] for k in r["kernels"]) > 0.0, r
+        assert 0.0 < r["busy_ms"] <= 1.05 * r["wall_ms"], r
+    run(f"--from_json={out}.json", f"--out={tmp_path / 'again' / 'peers'}")
+    assert (tmp_path / "again" / "peers.md").read_text() == (tmp_path / "peers.md").read_text()
+    bad = run("--from_json=a.json,b.json", f"--out={out}", check=False)
+    assert bad.returncode != 0 and "--from_json takes one JSON" in bad.stderr

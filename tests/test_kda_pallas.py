@@ -420,11 +420,11 @@ def _fake_h200():
     return mock.patch.object(gpu_info, "get_gpu_info", lambda: info)
 
 
-def pallas_outputs(x, do, dht, options, *, lower_bound=-5.0, segment_ids=None):
+def pallas_outputs(x, do, dht, options, *, lower_bound=-5.0, segment_ids=None, sequence_split=None):
     """(o, ht, grads) of kda_pallas in interpret mode with an initial state (kda_loss_and_grads), for
     comparing two KernelOptions on the same inputs."""
     kw = dict(lower_bound=lower_bound, interpret=True, output_final_state=True, options=options,
-              segment_ids=segment_ids)
+              segment_ids=segment_ids, sequence_split=sequence_split)
     return jax.jit(lambda x: kda_loss_and_grads(
         lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
 
@@ -578,8 +578,8 @@ class TestProfilingAblations:
                           _ablate=("dL",))
 
     def test_variant_specs(self):
-        # --variants: "base" the defaults, "round2" all off, '+' names on over round 2, "base+" names on
-        # over the defaults; an unknown name raises naming the spec.
+        # --variants: "base" the defaults, "round2" all off, '+' names on over round 2, "base" then
+        # "+name" / "-name" on / off over the defaults; an unknown name raises naming the spec.
         from experiments import bench_kda_kernels as bk
         assert bk.variant_options("base") == ops.KernelOptions()
         assert bk.variant_options("round2") == ops.ROUND2_OPTIONS
@@ -587,8 +587,14 @@ class TestProfilingAblations:
             ops.ROUND2_OPTIONS, split_intra_fwd=True, compact_offdiag_bwd=True)
         assert bk.variant_options("base+tile_state") == dataclasses.replace(ops.KernelOptions(),
                                                                             tile_state_bwd=True)
+        assert bk.variant_options("base+tile_state-pallas_cumsum") == dataclasses.replace(
+            ops.KernelOptions(), tile_state_bwd=True, pallas_cumsum=False)
+        assert bk.variant_options("base-pallas_cumsum") == dataclasses.replace(ops.KernelOptions(),
+                                                                               pallas_cumsum=False)
         with pytest.raises(ValueError, match="base\\+tile"):
             bk.variant_options("base+tile")
+        with pytest.raises(ValueError, match="nope"):
+            bk.variant_options("base-nope")
 
     def test_no_ablation_is_the_shipped_kernel(self):
         from pallas_kernels.kda import fwd
@@ -668,37 +674,46 @@ class TestTileStateBwd:
 
 
 class TestBf16StateBwdDots:
-    """ops.KernelOptions.bf16_state_bwd_dots: bf16 operands in the backward state pass's three dots
+    """ops.KernelOptions.bf16_state_bwd_dots: bf16 operands in the backward state pass's four dots
     (bf16 inputs only). Rounding only: o and ht untouched, gradients within bf16 rounding of the
     default; fp32 inputs and unbounded gates ignore / accept it; it reaches the lowered kernel."""
 
-    def test_op_matches_default(self):
-        # Measured (interpret, bf16, segment_ids, initial state): o, ht bit-identical; gradients vs
-        # the default: dq identical (it reads the forward states only), dk 1.9e-3, dv 2.1e-3, dg 1.9e-3,
-        # dbeta 2.5e-3, dh0 9.4e-4 (bf16 rounding of dS and dV' per dot; the default's own error vs
-        # the fp32 recurrence is ~3e-3).
-        x, seg, do, dht = option_ab_inputs(60, "bfloat16", segments=True, lower_bound=-5.0, V=64)
-
+    @pytest.mark.parametrize("segments, lower_bound, sequence_split", [(True, -5.0, 0), (False, None, 1)])
+    def test_op_matches_default(self, segments, lower_bound, sequence_split):
+        # bf16: bounded gates with segment_ids in one serial pass, and unbounded (softplus) gates
+        # through the sequence split (segments of one chunk: the exact-precision transitions, then
+        # the bf16-operand state_bwd per segment). Measured (interpret, vs the default): o, ht
+        # bit-identical; bounded: dq identical (it reads the forward states only), dk 1.9e-3,
+        # dv 2.1e-3, dg 1.9e-3, dbeta 2.5e-3, dh0 9.4e-4; unbounded + split: dq identical, dk 6.1e-4,
+        # dv 1.0e-3, dg 5.5e-4, dbeta 1.5e-3, dh0 4.4e-4 (bf16 rounding of dS, dV' and W per dot; the
+        # default's own error vs the fp32 recurrence is ~3e-3).
+        x, seg, do, dht = option_ab_inputs(60, "bfloat16", segments=segments, lower_bound=lower_bound, V=64)
         base = ops.KernelOptions()
         on = dataclasses.replace(base, bf16_state_bwd_dots=True)
-        (o0, ht0, g0), (o, ht, grads) = (pallas_outputs(x, do, dht, opts, segment_ids=seg) for opts in (base, on))
+        kw = dict(segment_ids=seg, lower_bound=lower_bound, sequence_split=sequence_split)
+        (o0, ht0, g0), (o, ht, grads) = (pallas_outputs(x, do, dht, opts, **kw) for opts in (base, on))
         np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
         np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
-        for name in GRAD_NAMES:
-            assert_rms_close(f"bf16_state_bwd {name}", g0[name], grads[name], 5e-3)
-        # fp32 inputs ignore it (bit-identical), also for unbounded gates, where it is accepted
+        diffs = {name: assert_rms_close(f"bf16_state_bwd {name}", g0[name], grads[name], 5e-3)
+                 for name in GRAD_NAMES}
+        assert max(diffs.values()) > 1e-4, diffs            # the option took effect
+
+    def test_fp32_ignores_it(self):
+        # fp32 inputs: the same kernels bit for bit, bounded and unbounded (where it is accepted).
         x32 = make_kda_inputs(jax.random.PRNGKey(63), 1, 128, 1, 16, 16, gate="softplus")
         d32 = jax.random.normal(jax.random.PRNGKey(64), (1, 128, 1, 16))
         h32 = jax.random.normal(jax.random.PRNGKey(65), (1, 1, 16, 16))
+        on = dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=True)
         for lb in (-5.0, None):
             xi = x32 if lb is None else dict(x32, g=jnp.maximum(x32["g"], -5.0))
-            outs = [pallas_outputs(xi, d32, h32, opts, lower_bound=lb) for opts in (base, on)]
+            outs = [pallas_outputs(xi, d32, h32, opts, lower_bound=lb) for opts in (ops.KernelOptions(), on)]
             for name in GRAD_NAMES:
                 np.testing.assert_array_equal(np.asarray(outs[0][2][name]), np.asarray(outs[1][2][name]))
 
     def test_lowers_and_changes_the_kernel(self):
         base = lowered_grad_text(ops.KernelOptions())
         on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=True))
+        assert base == lowered_grad_text(ops.KernelOptions())          # control: lowering is deterministic
         assert base != on and base.count("__gpu$xla.gpu.triton") == on.count("__gpu$xla.gpu.triton")
 
 

@@ -628,7 +628,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
       exact dots stay bf16x3 (ops.KernelOptions.bf16_intra_dots).
     gate_cumsum: g is the chunk-local cumsum G (as intra_fwd's), and the returned dg is per row
       BEFORE the reverse cumsum (dG with dG_last added on each chunk's last row): the caller applies
-      common.chunk_cumsum(dg, C, reverse=True) (ops.KernelOptions.xla_gate_cumsum).
+      common.chunk_cumsum(dg, C, reverse=True) or its Pallas form cumsum.chunk_cumsum
+      (ops.KernelOptions.xla_gate_cumsum, pallas_cumsum).
     segments: None or rel [B, T] int32 as intra_fwd's (the forward must have used the same): the
       forward's document masks applied in the chain rule (common.Segments).
     compact_offdiag: the score-tile backward row block by row block on ref slices, without the

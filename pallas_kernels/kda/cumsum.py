@@ -46,6 +46,7 @@ def chunk_cumsum(x, chunk_size: int, *, reverse: bool = False, interpret: bool =
       reverse: False: sum_{j <= i} within each chunk; True: the suffix sums sum_{j >= i}.
       interpret: Pallas interpret mode (CPU).
     Returns: [B, T, H, K] fp32.
+    Compiled for the GPU, K must be a power of two (Triton block shapes; ops.kda_pallas pads K).
     Raises: ValueError when T is not a multiple of chunk_size or x is not 4-D.
     """
     if x.ndim != 4:

@@ -13,8 +13,9 @@ differentiated forward saved (chunk factors, A and M, per-chunk states; nothing 
 give dq, dk, dv, dg, dbeta and dh0. The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
-g, with the default xla_gate_cumsum the chunk-local cumsum of g and the reverse cumsum of dG, and
-with segment_ids the per-chunk document offsets (common.document_offsets).
+g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
+xla_gate_cumsum + pallas_cumsum the chunk-local cumsum of g and the reverse cumsum of dG are two
+more Pallas kernels (cumsum.chunk_cumsum) between them (in XLA with pallas_cumsum=False).
 
 Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T tokens:
 qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
@@ -26,12 +27,13 @@ program and apply 0/1 selects to the chunk factors and their gradients (common.S
 serial state passes, the sequence split and the output kernel run unchanged. Without segment_ids
 the kernels take no extra input and are the same as before.
 
-Kernel variants with the same math (ops.KernelOptions; all on by default since the H200 A/B of
+Kernel variants with the same math (ops.KernelOptions; on by default after the H200 A/Bs of
 2026-12-01): the intra-chunk backward as two kernels (bwd.intra_bwd_split), the fla-style
 forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's state dots and the
-intra dots, the gate cumsums in XLA, intra_fwd as two kernels (fwd.intra_fwd_split), the compact
-row-block score-tile backward. Off by default until a GPU run times it: the backward's kernel a
-over V blocks of the saved states (tile_state_bwd).
+intra dots, the gate cumsums outside the intra kernels (xla_gate_cumsum) in a Pallas kernel
+(pallas_cumsum), intra_fwd as two kernels (fwd.intra_fwd_split), the compact row-block score-tile
+backward. Off: the backward's kernel a over V blocks of the saved states (tile_state_bwd; measured
+slower) and bf16 operands in the backward state pass (bf16_state_bwd_dots; not yet timed).
 
 Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is one anchored dot
 (exp of at most 80 nats). With lower_bound=None (unbounded gates, e.g. Kimi Linear's
@@ -42,8 +44,9 @@ default option set (UNBOUNDED_OPTIONS: the seven round-3 fields on, any values o
 UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
 
 Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
-Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` set
-num_warps and num_stages=1); `interpret=True` runs the same kernel bodies on CPU. Not run on TPU.
+Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` /
+`CUMSUM_PARAMS` set num_warps and num_stages=1, `OUTPUT_PARAMS` num_warps); `interpret=True` runs the
+same kernel bodies on CPU. Not run on TPU.
 
 Source: Kimi Linear (arXiv 2510.26692) Eq. 1, chunk form as in fla `chunk_kda(safe_gate=True)`;
 see ANCHORS.md section 1. This package never imports k3jax.
@@ -124,10 +127,11 @@ def factor_dtypes(dtype) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """Static choices between kernel variants with the same math (the round-3 levers of
-    experiments/results/kda_pallas_notes.md). Defaults: all on, chosen by the H200 A/B run of
-    2026-12-01 (experiments/results/kda_ab_round3_h200.json; 8x4096x16x128 bf16, fwd / fwd+bwd:
-    2.70 / 13.16 ms all on vs 6.32 / 35.28 ms all off, errors vs the fp32 recurrence within fla's
-    tolerances). ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
+    experiments/results/kda_pallas_notes.md). Defaults: the seven round-3 fields on, chosen by the
+    H200 A/B run of 2026-12-01 (experiments/results/kda_ab_round3_h200.json; 8x4096x16x128 bf16,
+    fwd / fwd+bwd: 2.70 / 13.16 ms all on vs 6.32 / 35.28 ms all off, errors vs the fp32 recurrence
+    within fla's tolerances), pallas_cumsum on (round 5), tile_state_bwd and bf16_state_bwd_dots off.
+    ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
 
     split_intra_bwd: the intra-chunk backward as two kernels (bwd.intra_bwd_split) instead of one.
     parallel_output: the forward's serial pass only carries the state and writes V' and the
@@ -139,7 +143,8 @@ class KernelOptions:
       products, dX, dY, dA, off-diagonal score tiles) take bf16 operands (as fla); the bf16x3 dots
       stay; fp32 inputs ignore it.
     xla_gate_cumsum: the chunk-local cumsum of g (forward) and the reverse cumsum of dG (backward)
-      run in XLA (common.chunk_cumsum; ~0.3 GB read + write each at 8x4096x16) instead of inside
+      run outside the intra kernels (in XLA, common.chunk_cumsum, or with pallas_cumsum in
+      cumsum.chunk_cumsum; ~0.3 GB read + write each at 8x4096x16) instead of inside
       intra_fwd / intra_bwd, whose anchors then are ref loads (the round-3 profile measured the
       in-kernel cumsums at ~1.4 ms of intra_fwd and ~5 ms of intra_bwd).
     split_intra_fwd: intra_fwd as two kernels (fwd.intra_fwd_split): scores + (I + L)^-1 writing A,
@@ -163,13 +168,14 @@ class KernelOptions:
       (cumsum.chunk_cumsum: one read and one write of g / dG) instead of XLA's associative scan
       (0.32 ms at 8x4096x16 against fla's 0.13 ms cumsum kernel). Measured on the H200: op
       2.88 -> 2.39 ms forward, 13.42 -> 12.68 ms forward+backward at 8x4096x16x128, errors vs the
-      fp32 recurrence unchanged to 3 digits. Same sums up to fp32 rounding. Without
+      fp32 recurrence within 2e-5 of the XLA cumsum's (dbeta 4.09e-3 -> 4.11e-3). Same sums up to fp32 rounding. Without
       xla_gate_cumsum there is no such cumsum and it is ignored.
     bf16_state_bwd_dots (default False until a GPU run times it; round 6 of kda_pallas_notes.md):
-      bf16 inputs only: the three dots of the backward's serial state pass (bwd.state_bwd) take bf16
-      operands (dS and dV' rounded to bf16 per dot, as fla's chunk_gated_delta_rule_bwd_dhu) instead
-      of fp32 operands at TF32, as bf16_state_dots does for the forward's pass; the sequence split's
-      transitions keep exact precision. fp32 inputs ignore it.
+      bf16 inputs only: the four dots of the backward's serial state pass (bwd.state_bwd: Aqk^T dO,
+      Kd dS, dO^T Qg, dV'^T W) take bf16 operands (dS, dV' and the fp32-stored W rounded to bf16 per
+      dot, as fla's chunk_gated_delta_rule_bwd_dhu) instead of fp32 operands at TF32, as
+      bf16_state_dots does for the forward's pass; the sequence split's transitions keep exact
+      precision. fp32 inputs ignore it.
     """
 
     split_intra_bwd: bool = True
@@ -192,9 +198,10 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                bf16_state_bwd_dots=False)
 
 
-# The only option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
-# in fwd.intra_fwd_split's kernel a with the XLA gate cumsum and in the compact backward kernel b, and
-# the tests cover them with every option on (the defaults of 2026-12-01). Spelled out, not
+# The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
+# in fwd.intra_fwd_split's kernel a with the gate cumsum outside it and in the compact backward kernel
+# b, and the tests cover them with the seven round-3 options on (the defaults of 2026-12-01); the
+# BOUND_FREE_FIELDS below may take any value. Spelled out, not
 # KernelOptions(), so that a later change of the defaults cannot widen what unbounded gates reach.
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
@@ -309,7 +316,7 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
           unbounded):
     """Padded token-major core: q, k, g [B,Tp,H,Kp]; v [B,Tp,H,Vp]; beta [B,Tp,H]; h0 [B,H,Vp,Kp];
     rel None or [B, Tp] int32 document offsets (common.document_offsets; no gradient).
-    unbounded: no lower_bound (exact diagonal tiles; options must be UNBOUNDED_OPTIONS).
+    unbounded: no lower_bound (exact diagonal tiles; options in UNBOUNDED_OPTION_SETS).
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
     options.parallel_output, whose output kernel reads them).
@@ -393,7 +400,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | No
         dense dot (exp of at most 16 * 5 = 80 nats). None: unbounded gates (any g <= 0, e.g. Kimi
         Linear's softplus gate): the diagonal tiles run the exact elementwise form (every exp
         argument <= 0; CUDA-core work instead of one tensor-core dot per tile); only with the
-        default options (UNBOUNDED_OPTIONS).
+        option sets of UNBOUNDED_OPTION_SETS (the defaults are one).
       scale: query scale, None = K ** -0.5.
       initial_state: [B, H, K, V] (fp32) state before token 0, or None (zeros). With segment_ids it
         applies to each row's first document only.
@@ -415,7 +422,7 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | No
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Raises: ValueError naming the reason when `supported(...)` is False (e.g. lower_bound=None with
-      options other than UNBOUNDED_OPTIONS), or options not a KernelOptions.
+      options outside UNBOUNDED_OPTION_SETS), or options not a KernelOptions.
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda(..., safe_gate=True, lower_bound)`;
     unbounded gates: the exact pairwise diagonal tiles of k3jax's kda_chunked (no lower_bound).
