@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from pallas_kernels.kda import bwd, common, fwd, ops, split
+from pallas_kernels.kda import bwd, common, fwd, hopper, ops, split
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x4096x16x128", "1x65536x16x128"], "BxTxHxK shapes (V = K)")
@@ -97,7 +97,7 @@ flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as 
                   "both); empty = the normal rows")
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
                   "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
-                  "state_fwd_vp, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, intra_bwd_b")
+                  "state_fwd_vp, state_fwd_hopper, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, intra_bwd_b")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
@@ -273,7 +273,8 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_split": ("bf16_dots", "gate_cumsum", "compact", "tile_state"),
                   "intra_bwd_a": bwd.A_ABLATIONS + ("tile_state", "tile_state32"),
                   "intra_bwd_b": (),
-                  "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",)}
+                  "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
+                  "state_fwd_hopper": ()}
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options and pallas_cumsum
 # on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
@@ -338,6 +339,7 @@ def profile_inputs(B, T, H, K):
             "intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
             "intra_fwd_split": (q, k, v, g, beta),
             "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
+            "state_fwd_hopper": (kd, w.astype(jnp.bfloat16), u, gl, h0),
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
 
@@ -370,6 +372,8 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
                                            interpret=interpret, precision=prec,
                                            state_dtype=ops.saved_state_dtype(bf),
                                            vp_dtype=fdt[3], _params=params)
+    if kernel == "state_fwd_hopper":          # Mosaic GPU (hopper.py; no warps / ablations)
+        return lambda *a: hopper.state_fwd(*a, interpret=interpret)
     if kernel == "output_fwd":
         return lambda *a: fwd.output_fwd(*a, chunk_size=CHUNK, out_dtype=bf, interpret=interpret,
                                          precision=prec, _params=params)
