@@ -439,7 +439,7 @@ def profile(res, save, t_start):
             ablate = () if spec == "none" else tuple(spec.split("+"))
             if any(a not in ABLATION_NAMES[kernel] for a in ablate):
                 continue
-            for nw in FLAGS.ablate_warps:
+            for nw in (FLAGS.ablate_warps if kernel != "state_fwd_hopper" else ["0"]):   # no num_warps
                 row = {"shape": FLAGS.shapes[0], "kernel": kernel, "ablate": spec,
                        "num_warps": int(nw)}
                 jobs.append((row, kernel_build(row, ablate), "time"))

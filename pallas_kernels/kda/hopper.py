@@ -37,7 +37,7 @@ def _operand(shape):
     return plgpu.SMEM(shape, BF16, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def state_fwd(kd, w, u, gl, h0, *, interpret: bool = False):
+def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = False):
     """Forward serial state pass on Hopper (module docstring), chunk 64, V blocks of 64.
 
     Args:
@@ -46,11 +46,12 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool = False):
       u: [B, H, T, V] fp32 (U).
       gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay in (0, 1], not a log).
       h0: [B, H, K, V] fp32 initial state (NOT transposed).
-      interpret: run in Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams).
+      interpret: True: run in Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams()), or the
+        InterpretGPUParams to run with (e.g. detect_races=True).
     Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, K, V] bf16 (the state entering each chunk);
       ht [B, H, K, V] fp32 (after the last chunk).
-    Raises: ValueError for T not a multiple of 64, K not in (64, 128), V not a multiple of 64, or
-      kd / w not bf16.
+    Raises: ValueError for T not a multiple of 64, K not in (64, 128), V not a multiple of 64, kd / w
+      not bf16, u / gl / h0 not fp32, or shapes that do not match.
     """
     B, H, T, K = kd.shape
     V = u.shape[-1]
@@ -62,6 +63,12 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool = False):
         raise ValueError(f"V = {V} must be a multiple of {BLOCK_V}")
     if kd.dtype != BF16 or w.dtype != BF16:
         raise ValueError(f"kd and w must be bf16 (wgmma operands); got {kd.dtype}, {w.dtype}")
+    if not all(x.dtype == F32 for x in (u, gl, h0)):
+        raise ValueError(f"u, gl and h0 must be fp32; got {u.dtype}, {gl.dtype}, {h0.dtype}")
+    if (w.shape != kd.shape or u.shape != (B, H, T, V) or gl.shape != (B, H, T // CHUNK, K)
+            or h0.shape != (B, H, K, V)):
+        raise ValueError(f"shapes do not match: kd {kd.shape}, w {w.shape}, u {u.shape}, gl {gl.shape}, "
+                         f"h0 {h0.shape} (expected w = kd, u [B, H, T, V], gl [B, H, T/64, K], h0 [B, H, K, V])")
     C, BV, NT = CHUNK, BLOCK_V, T // CHUNK
 
     def body(kd_ref, w_ref, u_ref, gl_ref, h0_ref, vp_ref, h_ref, ht_ref,
@@ -86,11 +93,13 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool = False):
                 plgpu.wgmma(acc, w_s, s_s)
                 return acc[...]
             vn = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA) - pl.run_scoped(recall, plgpu.ACC((C, BV), F32))
+            # every read of this chunk's loaded buffers comes before the fence below: the next
+            # chunk's TMA writes into them must not race a generic-proxy read
+            decay = plgpu.load(gl_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
             vn_s[...] = vn.astype(BF16)
             vp_s[...] = vn
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(vp_s, vp_ref.at[b, hh, tok, vcols])
-            decay = plgpu.load(gl_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
 
             def update(acc):                                   # Kd^T [K, C] @ V' [C, BV]
                 plgpu.wgmma(acc, kd_s.T, vn_s)
@@ -112,5 +121,6 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool = False):
                        _operand((K, BV)), _operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((K, BV), F32),
                        plgpu.Barrier(num_arrivals=4, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(B, H, V // BV), grid_names=("b", "h", "v"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None))
     return kernel(kd, w, u, gl, h0)
