@@ -44,8 +44,8 @@ JSON keeps the rows done).
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --ablate=none,compute,scores \
       --ablate_warps=8,4 --time_budget_s=130 --out=$OUT/kda_profile.json
 A/B of option sets (--variants, same mode): the whole op per ops.KernelOptions spec ("base",
-"base+tile_state", "base-pallas_cumsum", ...), fwd, fwd+bwd and errors; --state_stages (one value per process) sets the
-serial kernels' num_stages, --variant_split their sequence split (round 5 of kda_pallas_notes.md):
+"base+tile_state", "base-pallas_cumsum", ...), fwd, fwd+bwd and errors; --state_stages (one value
+per process) sets the serial kernels' num_stages, --variant_split their sequence split (round 5 of kda_pallas_notes.md):
   python -m experiments.bench_kda_kernels --shapes=8x4096x16x128 --variants=base,base+tile_state \
       --state_stages=2 --check_shape=1x1024x2x128 --out=$OUT/ab.json
 """
@@ -97,14 +97,15 @@ flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as 
                   "both); empty = the normal rows")
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
                   "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
-                  "state_fwd_vp, state_fwd_hopper, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, intra_bwd_b")
+                  "state_fwd_vp, state_fwd_hopper, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, "
+                  "intra_bwd_b")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
-                  "timed (fwd, fwd+bwd at the first shape, no sequence split) and checked (errors "
-                  "at --check_shape): 'base' (the defaults), 'round2' (all off), '+'-joined names (on over "
-                  "round2) from split_bwd, par_out, bf16_state, bf16_intra, xla_cumsum, split_fwd, "
-                  "compact_bwd, tile_state, or 'base+' followed by such names (on over the defaults)")
+                  "timed (fwd, fwd+bwd at the first shape, sequence split --variant_split) and checked "
+                  "(errors at --check_shape): 'base' (the defaults), 'round2' (all off), '+'-joined short "
+                  "names (on over round2; VARIANT_FIELDS), or 'base' then '+name' / '-name' (on / off over "
+                  "the defaults)")
 flags.DEFINE_integer("compile_threads", 8, "profiling mode: threads compiling rows in parallel")
 flags.DEFINE_float("time_budget_s", 0.0, "profiling mode: stop starting rows after this many "
                    "seconds since the start (0 = no limit)")
@@ -296,14 +297,15 @@ def variant_options(spec: str) -> ops.KernelOptions:
     (ops.ROUND2_OPTIONS), field short names joined by '+' (each turned on over ops.ROUND2_OPTIONS),
     or "base" followed by "+name" (turned on) and "-name" (turned off) over ops.KernelOptions(),
     e.g. "base-pallas_cumsum" or "base+tile_state-pallas_cumsum".
-    Raises: ValueError naming the spec for an unknown name."""
+    Raises: ValueError naming the spec for an unknown or empty name."""
     if spec == "base":
         return ops.KernelOptions()
-    if spec.startswith(("base+", "base-")):
-        start, signed = ops.KernelOptions(), re.findall(r"([+-])([^+-]+)", spec[len("base"):])
-    else:
-        start, signed = ops.ROUND2_OPTIONS, [] if spec == "round2" else [("+", n) for n in spec.split("+")]
-    bad = [n for _, n in signed if n not in VARIANT_FIELDS] or ([] if signed or spec == "round2" else [spec])
+    if spec == "round2":
+        return ops.ROUND2_OPTIONS
+    start, rest = ((ops.KernelOptions(), spec[len("base"):]) if spec.startswith(("base+", "base-"))
+                   else (ops.ROUND2_OPTIONS, "+" + spec))
+    signed = re.findall(r"([+-])([^+-]*)", rest)
+    bad = [n for _, n in signed if n not in VARIANT_FIELDS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad} in {spec=}; expected 'base', 'round2', '+'-joined "
                          f"names from {tuple(VARIANT_FIELDS)} or 'base' then '+name' / '-name'")
@@ -418,12 +420,14 @@ def profile(res, save, t_start):
     """
     B, T, H, K = (int(x) for x in FLAGS.shapes[0].split("x"))
     if len(FLAGS.state_stages) != 1:
-        raise ValueError(f"--state_stages takes one value in the --ablate / --variants mode; got {FLAGS.state_stages}")
+        raise ValueError(f"--state_stages takes one value in the --ablate / --variants mode; "
+                         f"got {FLAGS.state_stages}")
     stages = int(FLAGS.state_stages[0])
     common.STATE_PARAMS = common.pltriton.CompilerParams(num_warps=common.STATE_PARAMS.num_warps,
                                                          num_stages=stages)
     if FLAGS.variant_split != "auto" and not FLAGS.variant_split.isdigit():
-        raise ValueError(f"--variant_split must be 'auto' or a segment length >= 0; got {FLAGS.variant_split!r}")
+        raise ValueError(f"--variant_split must be 'auto' or a segment length >= 0; "
+                         f"got {FLAGS.variant_split!r}")
     variant_split = None if FLAGS.variant_split == "auto" else int(FLAGS.variant_split)
     res.update(state_stages=stages, variant_split=FLAGS.variant_split)
     inputs = profile_inputs(B, T, H, K)

@@ -99,7 +99,8 @@ def intra_fwd(q, k, v, g, beta, *, scale: float, chunk_size: int, interpret: boo
       bf16_dots: bf16 inputs only: the solve and W / U dots take bf16 operands (BF16_OPERANDS, as
         fla) instead of fp32 operands at TF32 (ops.KernelOptions.bf16_intra_dots).
       gate_cumsum: g is already the chunk-local inclusive cumsum G (common.chunk_cumsum or
-        cumsum.chunk_cumsum, fp32; ops.KernelOptions.xla_gate_cumsum): no cumsum and no anchor reductions in the kernel.
+        cumsum.chunk_cumsum, fp32; ops.KernelOptions.xla_gate_cumsum): no cumsum and no anchor
+        reductions in the kernel.
       segments: None, or rel [B, T] int32 (common.document_offsets of segment_ids): packed
         documents; the factors are masked (common.Segments) so that the unchanged state passes
         reset the state at every document start: qg and w zero on rows whose document started
