@@ -691,8 +691,8 @@ class TestBf16StateBwdDots:
         # dv 1.0e-3, dg 5.5e-4, dbeta 1.5e-3, dh0 4.4e-4 (bf16 rounding of dS, dV' and W per dot; the
         # default's own error vs the fp32 recurrence is ~3e-3).
         x, seg, do, dht = option_ab_inputs(60, "bfloat16", segments=segments, lower_bound=lower_bound, V=64)
-        base = ops.KernelOptions()
-        on = dataclasses.replace(base, bf16_state_bwd_dots=True)
+        on = ops.KernelOptions()                                   # the default since round 6
+        base = dataclasses.replace(on, bf16_state_bwd_dots=False)
         kw = dict(segment_ids=seg, lower_bound=lower_bound, sequence_split=sequence_split)
         (o0, ht0, g0), (o, ht, grads) = (pallas_outputs(x, do, dht, opts, **kw) for opts in (base, on))
         np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
@@ -706,17 +706,17 @@ class TestBf16StateBwdDots:
         x32 = make_kda_inputs(jax.random.PRNGKey(63), 1, 128, 1, 16, 16, gate="softplus")
         d32 = jax.random.normal(jax.random.PRNGKey(64), (1, 128, 1, 16))
         h32 = jax.random.normal(jax.random.PRNGKey(65), (1, 1, 16, 16))
-        on = dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=True)
+        off = dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=False)
         for lb in (-5.0, None):
             xi = x32 if lb is None else dict(x32, g=jnp.maximum(x32["g"], -5.0))
-            outs = [pallas_outputs(xi, d32, h32, opts, lower_bound=lb) for opts in (ops.KernelOptions(), on)]
+            outs = [pallas_outputs(xi, d32, h32, opts, lower_bound=lb) for opts in (off, ops.KernelOptions())]
             for name in GRAD_NAMES:
                 np.testing.assert_array_equal(np.asarray(outs[0][2][name]), np.asarray(outs[1][2][name]))
 
     def test_lowers_and_changes_the_kernel(self):
-        base = lowered_grad_text(ops.KernelOptions())
-        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=True))
-        assert base == lowered_grad_text(ops.KernelOptions())          # control: lowering is deterministic
+        off = dataclasses.replace(ops.KernelOptions(), bf16_state_bwd_dots=False)
+        base, on = lowered_grad_text(off), lowered_grad_text(ops.KernelOptions())
+        assert base == lowered_grad_text(off)                          # control: lowering is deterministic
         assert base != on and base.count("__gpu$xla.gpu.triton") == on.count("__gpu$xla.gpu.triton")
 
 

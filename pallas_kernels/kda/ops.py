@@ -33,7 +33,7 @@ forward (fwd.state_fwd_vp + fwd.output_fwd), bf16 operands for the forward's sta
 intra dots, the gate cumsums outside the intra kernels (xla_gate_cumsum) in a Pallas kernel
 (pallas_cumsum), intra_fwd as two kernels (fwd.intra_fwd_split), the compact row-block score-tile
 backward. Off: the backward's kernel a over V blocks of the saved states (tile_state_bwd; measured
-slower) and bf16 operands in the backward state pass (bf16_state_bwd_dots; not yet timed).
+slower). bf16 operands in the backward state pass (bf16_state_bwd_dots) are on since round 6.
 
 Gates: with a declared lower_bound in [-5, 0) every 16x16 diagonal score tile is one anchored dot
 (exp of at most 80 nats). With lower_bound=None (unbounded gates, e.g. Kimi Linear's
@@ -130,7 +130,7 @@ class KernelOptions:
     experiments/results/kda_pallas_notes.md). Defaults: the seven round-3 fields on, chosen by the
     H200 A/B run of 2026-12-01 (experiments/results/kda_ab_round3_h200.json; 8x4096x16x128 bf16,
     fwd / fwd+bwd: 2.70 / 13.16 ms all on vs 6.32 / 35.28 ms all off, errors vs the fp32 recurrence
-    within fla's tolerances), pallas_cumsum on (round 5), tile_state_bwd and bf16_state_bwd_dots off.
+    within fla's tolerances), pallas_cumsum (round 5) and bf16_state_bwd_dots (round 6) on, tile_state_bwd off.
     ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
 
     split_intra_bwd: the intra-chunk backward as two kernels (bwd.intra_bwd_split) instead of one.
@@ -170,12 +170,14 @@ class KernelOptions:
       2.88 -> 2.39 ms forward, 13.42 -> 12.68 ms forward+backward at 8x4096x16x128, errors vs the
       fp32 recurrence within 2e-5 of the XLA cumsum's (dbeta 4.09e-3 -> 4.11e-3). Same sums up to fp32 rounding. Without
       xla_gate_cumsum there is no such cumsum and it is ignored.
-    bf16_state_bwd_dots (default False until a GPU run times it; round 6 of kda_pallas_notes.md):
+    bf16_state_bwd_dots (round 6 of kda_pallas_notes.md; default since 2026-12-01):
       bf16 inputs only: the four dots of the backward's serial state pass (bwd.state_bwd: Aqk^T dO,
       Kd dS, dO^T Qg, dV'^T W) take bf16 operands (dS, dV' and the fp32-stored W rounded to bf16 per
       dot, as fla's chunk_gated_delta_rule_bwd_dhu) instead of fp32 operands at TF32, as
       bf16_state_dots does for the forward's pass; the sequence split's transitions keep exact
-      precision. fp32 inputs ignore it.
+      precision. fp32 inputs ignore it. Measured on the H200 (one process, 2026-12-01): op
+      forward+backward 12.54 -> 11.93 ms at 8x4096x16x128 and 29.63 -> 28.31 ms at 1x65536x16x128;
+      errors vs the fp32 recurrence within 1e-5 of the fp32-operand pass's (dbeta 4.11e-3 -> 4.12e-3).
     """
 
     split_intra_bwd: bool = True
@@ -187,7 +189,7 @@ class KernelOptions:
     compact_offdiag_bwd: bool = True
     tile_state_bwd: bool = False
     pallas_cumsum: bool = True
-    bf16_state_bwd_dots: bool = False
+    bf16_state_bwd_dots: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -206,7 +208,7 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
-                                  bf16_state_bwd_dots=False)
+                                  bf16_state_bwd_dots=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision): unbounded gates run with UNBOUNDED_OPTIONS and any values of
 # these (tested in interpret mode against UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states,
