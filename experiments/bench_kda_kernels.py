@@ -276,8 +276,8 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_b": (),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
                   "state_fwd_hopper": ()}
-# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options and pallas_cumsum
-# on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
+# --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
+# bf16_state_bwd_dots and hopper_state_fwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
 # over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01
 # 03:00 UTC (kda_ab_round3_h200.json included) wrote "base" for the then-default all-off kernels,
@@ -287,7 +287,8 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "bf16_state": "bf16_state_dots", "bf16_intra": "bf16_intra_dots",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
                   "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd",
-                  "pallas_cumsum": "pallas_cumsum", "bf16_state_bwd": "bf16_state_bwd_dots"}
+                  "pallas_cumsum": "pallas_cumsum", "bf16_state_bwd": "bf16_state_bwd_dots",
+                  "hopper_state": "hopper_state_fwd"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
@@ -341,7 +342,7 @@ def profile_inputs(B, T, H, K):
             "intra_fwd": (q, k, v, g, beta), "intra_fwd_save": (q, k, v, g, beta),
             "intra_fwd_split": (q, k, v, g, beta),
             "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
-            "state_fwd_hopper": (kd, w.astype(jnp.bfloat16), u, gl, h0),
+            "state_fwd_hopper": (kd, w, u, gl, h0),
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
 

@@ -1,21 +1,21 @@
 """Hopper (sm_90) Mosaic GPU kernels for KDA: TMA copies and wgmma tensor-core dots (issue 7's lever).
 
-PREPARED, NOT YET RUN ON A GPU (2026-12-01): tested in Mosaic GPU interpret mode on CPU and lowered
-for CUDA on CPU; not dispatched by ops.kda_pallas. The portable Triton kernels (fwd.py, bwd.py) stay
-the default; this file holds the Hopper versions that the benchmark can time next to them.
+`state_fwd`: the forward's serial state pass (fwd.state_fwd_vp's math and layouts, fla's
+chunk_gated_delta_rule_fwd_h), one warpgroup per (batch x head, V block of 64 rows of the
+transposed state, segment). Per chunk c of 64 tokens, with the transposed state S^T [BV, K] in fp32
+registers:
+  h_c = S^T (stored bf16), V' = U - W S, S^T <- S^T Diag(e^{G_last}) + V'^T Kd,
+the two products as wgmma with bf16 operands in swizzled SMEM (W [64, K] x (S^T)^T, a transposed
+view of the S^T buffer; V'^T, a transposed view of the V' buffer, x Kd [64, K]) and fp32
+accumulators: the rounding of fwd.state_fwd_vp with common.BF16_OPERANDS (the op's default
+bf16_state_dots). W arrives in fp32 (the op's saved factor) and is rounded to bf16 in the kernel.
+The next chunk's TMA loads (Kd, W, U, e^{G_last}) are issued before this chunk's dots (two buffers
+per input), so only the first chunk's load is exposed.
 
-`state_fwd`: the forward's serial state pass (fwd.state_fwd_vp's math, fla's
-chunk_gated_delta_rule_fwd_h), one warpgroup per (batch, head, V block of 64 columns). Per chunk c
-of 64 tokens, with the state S [K, BV] in fp32 registers:
-  h_c = S (stored bf16), V' = U - W S, S <- Diag(e^{G_last}) S + Kd^T V',
-the two products as wgmma with bf16 operands in swizzled SMEM (W [64, K] x S [K, 64]; Kd^T, a
-transposed view of the loaded Kd [64, K], x V' [64, 64]) and fp32 accumulators: the rounding of
-fwd.state_fwd_vp with common.BF16_OPERANDS (ops.KernelOptions.bf16_state_dots). This first version
-loads each chunk synchronously (no software pipelining or warp specialisation yet).
+Layouts: the same as fwd.state_fwd_vp (the transposed states [V, K] of the Triton kernels), so the
+op can call either: h [B, H, NT, V, K], h0 / ht [B, H, V, K] or per segment [B, H, NS, V, K].
 
-Layout: unlike the Triton kernels' transposed states [V, K], the state here is S [K, V] (wgmma's
-operand majors): h is [B, H, NT, K, V] and h0 / ht are [B, H, K, V].
-
+Measured (H200, 2026-12-01, kda_pallas_notes.md rounds 7 and 8). Dispatch: ops.KernelOptions.hopper_state_fwd.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`; Mosaic GPU API of jax 0.11.2
 (jax.experimental.pallas.mosaic_gpu).
 """
@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 F32, BF16 = jnp.float32, jnp.bfloat16
 CHUNK = 64
 BLOCK_V = 64
+HEAD_DIMS = (64, 128)      # K: wgmma tiles; one warpgroup holds S^T [64, K] fp32 (<= 64 registers per thread)
 
 
 def _operand(shape):
@@ -37,90 +38,129 @@ def _operand(shape):
     return plgpu.SMEM(shape, BF16, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
+def interpret_params(interpret):
+    """plgpu.kernel's `interpret` argument from ours: False / None -> compiled, True -> default
+    Mosaic GPU interpret mode (CPU), or an InterpretGPUParams as given (e.g. detect_races=True)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def is_hopper(device=None) -> bool:
+    """Whether `device` (default: JAX's first device) is a CUDA GPU of compute capability 9.x."""
+    device = jax.devices()[0] if device is None else device
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
 def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = False):
-    """Forward serial state pass on Hopper (module docstring), chunk 64, V blocks of 64.
+    """Forward serial state pass on Hopper (module docstring); chunk 64, V blocks of 64.
 
     Args:
-      kd, w: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G} and W; the caller casts W to bf16,
-        which is what the bf16-operand dot of fwd.state_fwd_vp does to it).
+      kd: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G}).
+      w: [B, H, T, K] fp32 (intra_fwd's W; rounded to bf16 in the kernel as the bf16-operand dot of
+        fwd.state_fwd_vp does).
       u: [B, H, T, V] fp32 (U).
       gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay in (0, 1], not a log).
-      h0: [B, H, K, V] fp32 initial state (NOT transposed).
-      interpret: True: run in Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams()), or the
+      h0: [B, H, V, K] fp32 initial state, TRANSPOSED (as fwd.state_fwd_vp), or [B, H, NS, V, K]: the
+        start of each of NS segments of T / NS tokens (the sequence split's starts; NS divides T / 64).
+      interpret: True: Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams()), or the
         InterpretGPUParams to run with (e.g. detect_races=True).
-    Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, K, V] bf16 (the state entering each chunk);
-      ht [B, H, K, V] fp32 (after the last chunk).
-    Raises: ValueError for T not a multiple of 64, K not in (64, 128), V not a multiple of 64, kd / w
-      not bf16, u / gl / h0 not fp32, or shapes that do not match.
+    Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, V, K] bf16 (the transposed state entering each
+      chunk); ht fp32 of h0's shape (the state after the last chunk of the sequence / each segment).
+    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, kd not
+      bf16, w / u / gl / h0 not fp32, NS not dividing T / 64, or shapes that do not match.
     """
     B, H, T, K = kd.shape
     V = u.shape[-1]
     if T % CHUNK:
         raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
-    if K not in (64, 128):
-        raise ValueError(f"K = {K} must be 64 or 128 (wgmma tiles; one warpgroup holds S [K, 64] fp32)")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"K = {K} must be one of {HEAD_DIMS} (wgmma tiles; one warpgroup holds S^T [64, K] fp32)")
     if V % BLOCK_V:
         raise ValueError(f"V = {V} must be a multiple of {BLOCK_V}")
-    if kd.dtype != BF16 or w.dtype != BF16:
-        raise ValueError(f"kd and w must be bf16 (wgmma operands); got {kd.dtype}, {w.dtype}")
-    if not all(x.dtype == F32 for x in (u, gl, h0)):
-        raise ValueError(f"u, gl and h0 must be fp32; got {u.dtype}, {gl.dtype}, {h0.dtype}")
-    if (w.shape != kd.shape or u.shape != (B, H, T, V) or gl.shape != (B, H, T // CHUNK, K)
-            or h0.shape != (B, H, K, V)):
+    if kd.dtype != BF16:
+        raise ValueError(f"kd must be bf16 (a wgmma operand); got {kd.dtype}")
+    if not all(x.dtype == F32 for x in (w, u, gl, h0)):
+        raise ValueError(f"w, u, gl and h0 must be fp32; got {w.dtype}, {u.dtype}, {gl.dtype}, {h0.dtype}")
+    NT = T // CHUNK
+    per_segment = h0.ndim == 5
+    NS = h0.shape[2] if per_segment else 1
+    if (w.shape != kd.shape or u.shape != (B, H, T, V) or gl.shape != (B, H, NT, K)
+            or h0.shape != ((B, H, NS, V, K) if per_segment else (B, H, V, K))):
         raise ValueError(f"shapes do not match: kd {kd.shape}, w {w.shape}, u {u.shape}, gl {gl.shape}, "
-                         f"h0 {h0.shape} (expected w = kd, u [B, H, T, V], gl [B, H, T/64, K], h0 [B, H, K, V])")
-    C, BV, NT = CHUNK, BLOCK_V, T // CHUNK
+                         f"h0 {h0.shape} (expected w = kd, u [B, H, T, V], gl [B, H, T/64, K], "
+                         "h0 [B, H, V, K] or [B, H, NS, V, K])")
+    if NS < 1 or NT % NS:
+        raise ValueError(f"h0's segment count NS = {NS} must divide the chunk count T / 64 = {NT}")
+    C, BV, L = CHUNK, BLOCK_V, NT // NS
+    BH = B * H
 
     def body(kd_ref, w_ref, u_ref, gl_ref, h0_ref, vp_ref, h_ref, ht_ref,
-             kd_s, w_s, u_s, gl_s, s_s, vn_s, vp_s, st_s, bar_in, bar_h0):
-        b, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        vcols = pl.ds(iv * BV, BV)
-        plgpu.copy_gmem_to_smem(h0_ref.at[b, hh, :, vcols], st_s, bar_h0.at[0])
+             kd_s, w32_s, u_s, gl_s, w_s, st_b, vn_s, vp_s, st_s, bar_in, bar_h0):
+        bh, iv, sg = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("s")
+        vrows = pl.ds(iv * BV, BV)
+        plgpu.copy_gmem_to_smem(h0_ref.at[bh, sg, vrows], st_s, bar_h0.at[0])
+
+        def load(j, slot):                                # chunk j of this segment into buffer `slot`
+            c = sg * L + j
+            tok = pl.ds(c * C, C)
+            for src, dst in ((kd_ref.at[bh, tok], kd_s.at[slot]), (w_ref.at[bh, tok], w32_s.at[slot]),
+                             (u_ref.at[bh, tok, vrows], u_s.at[slot]), (gl_ref.at[bh, c], gl_s.at[slot])):
+                plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
+
+        load(0, 0)
         plgpu.barrier_wait(bar_h0.at[0])
 
-        def step(c, S):
-            tok = pl.ds(c * C, C)
-            for src, dst in ((kd_ref.at[b, hh, tok], kd_s), (w_ref.at[b, hh, tok], w_s),
-                             (u_ref.at[b, hh, tok, vcols], u_s), (gl_ref.at[b, hh, c], gl_s)):
-                plgpu.copy_gmem_to_smem(src, dst, bar_in.at[0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores have read s_s, vp_s
-            s_s[...] = S.astype(BF16)
+        def step(j, St):
+            slot = lax.rem(j, 2)
+            c = sg * L + j
+
+            @pl.when(j + 1 < L)
+            def _():             # the other buffer's last reads (chunk j - 1) are fenced or waited on
+                load(j + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar_in.at[slot])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read st_b, vp_s
+            w_s[...] = plgpu.load(w32_s.at[slot], (), layout=plgpu.Layout.WGMMA).astype(BF16)
+            st_b[...] = St.astype(BF16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_s, h_ref.at[b, hh, c, :, vcols])
-            plgpu.barrier_wait(bar_in.at[0])
+            plgpu.copy_smem_to_gmem(st_b, h_ref.at[bh, c, vrows])
 
             def recall(acc):                                   # W [C, K] @ S [K, BV]
-                plgpu.wgmma(acc, w_s, s_s)
+                plgpu.wgmma(acc, w_s, st_b.T)
                 return acc[...]
-            vn = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA) - pl.run_scoped(recall, plgpu.ACC((C, BV), F32))
-            # every read of this chunk's loaded buffers comes before the fence below: the next
-            # chunk's TMA writes into them must not race a generic-proxy read
-            decay = plgpu.load(gl_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            vn = (plgpu.load(u_s.at[slot], (), layout=plgpu.Layout.WGMMA)
+                  - pl.run_scoped(recall, plgpu.ACC((C, BV), F32)))
+            # every generic read of this chunk's loaded buffers comes before the fence below: the
+            # TMA load into them two chunks on (issued at chunk j + 1) must not race it
+            decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
             vn_s[...] = vn.astype(BF16)
             vp_s[...] = vn
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(vp_s, vp_ref.at[b, hh, tok, vcols])
+            plgpu.copy_smem_to_gmem(vp_s, vp_ref.at[bh, pl.ds(c * C, C), vrows])
 
-            def update(acc):                                   # Kd^T [K, C] @ V' [C, BV]
-                plgpu.wgmma(acc, kd_s.T, vn_s)
+            def update(acc):                                   # V'^T [BV, C] @ Kd [C, K]
+                plgpu.wgmma(acc, vn_s.T, kd_s.at[slot])
                 return acc[...]
-            return S * decay[:, None] + pl.run_scoped(update, plgpu.ACC((K, BV), F32))
+            return St * decay[None, :] + pl.run_scoped(update, plgpu.ACC((BV, K), F32))
 
-        S = lax.fori_loop(0, NT, step, plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        st_s[...] = S
+        St = lax.fori_loop(0, L, step, plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA))
+        st_s[...] = St                    # st_s's only other use, h0's load, was waited on above
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, ht_ref.at[b, hh, :, vcols])
+        plgpu.copy_smem_to_gmem(st_s, ht_ref.at[bh, sg, vrows])
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((B, H, T, V), F32), jax.ShapeDtypeStruct((B, H, NT, K, V), BF16),
-                  jax.ShapeDtypeStruct((B, H, K, V), F32)),
-        scratch_types=[_operand((C, K)), _operand((C, K)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((K,), F32),
-                       _operand((K, BV)), _operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((K, BV), F32),
-                       plgpu.Barrier(num_arrivals=4, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
-        grid=(B, H, V // BV), grid_names=("b", "h", "v"),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                   else plgpu.InterpretGPUParams() if interpret else None))
-    return kernel(kd, w, u, gl, h0)
+        out_type=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
+                  jax.ShapeDtypeStruct((BH, NS, V, K), F32)),
+        scratch_types=[_operand((2, C, K)), plgpu.SMEM((2, C, K), F32), plgpu.SMEM((2, C, BV), F32),
+                       plgpu.SMEM((2, K), F32), _operand((C, K)), _operand((BV, K)), _operand((C, BV)),
+                       plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
+                       plgpu.Barrier(num_arrivals=4, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+    flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
+    h0s = h0 if per_segment else h0[:, :, None]
+    vp, h, ht = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(h0s))
+    ht = ht.reshape(B, H, NS, V, K)
+    return vp.reshape(B, H, T, V), h.reshape(B, H, NT, V, K), (ht if per_segment else ht[:, :, 0])

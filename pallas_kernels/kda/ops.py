@@ -60,7 +60,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, cumsum, fwd, split
+from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -178,6 +178,14 @@ class KernelOptions:
       precision. fp32 inputs ignore it. Measured on the H200 (one process, 2026-12-01): op
       forward+backward 12.54 -> 11.93 ms at 8x4096x16x128 and 29.63 -> 28.31 ms at 1x65536x16x128;
       errors vs the fp32 recurrence within 1e-5 of the fp32-operand pass's (dbeta 4.11e-3 -> 4.12e-3).
+    hopper_state_fwd (round 8 of kda_pallas_notes.md): the forward's serial state pass
+      (fwd.state_fwd_vp) as the Mosaic GPU kernel hopper.state_fwd (TMA loads two chunks deep,
+      wgmma with bf16 operands; same math, layouts and operand rounding) where it applies: bf16
+      inputs with parallel_output and bf16_state_dots, padded K in hopper.HEAD_DIMS, padded V a
+      multiple of 64, and either compiled on a compute-capability-9.x GPU (hopper.is_hopper) or in
+      interpret mode (which then runs it in Mosaic GPU interpret mode, so CPU tests cover what the
+      H200 runs). Elsewhere (other GPUs, fp32, small heads) the Triton pass runs; it is the
+      same function, so no call is refused for this option.
     """
 
     split_intra_bwd: bool = True
@@ -190,6 +198,7 @@ class KernelOptions:
     tile_state_bwd: bool = False
     pallas_cumsum: bool = True
     bf16_state_bwd_dots: bool = True
+    hopper_state_fwd: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -197,7 +206,7 @@ class KernelOptions:
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
-                               bf16_state_bwd_dots=False)
+                               bf16_state_bwd_dots=False, hopper_state_fwd=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -208,12 +217,13 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
-                                  bf16_state_bwd_dots=True)
+                                  bf16_state_bwd_dots=True, hopper_state_fwd=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
-# backward state pass's dot precision): unbounded gates run with UNBOUNDED_OPTIONS and any values of
-# these (tested in interpret mode against UNBOUNDED_OPTIONS: test_tile_state_bwd_matches_whole_states,
-# TestPallasCumsumOption, TestBf16StateBwdDots).
-BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots")
+# backward state pass's dot precision, the Hopper forward state pass): unbounded gates run with
+# UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
+# test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
+# TestHopperStateFwdOption).
+BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -283,7 +293,8 @@ def _pow2(n: int) -> int:
 def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpret, save_states,
                 state_dtype, dtype, options=KernelOptions()):
     """The forward's state pass and output: fwd.state_fwd over all chunks, or split into segments
-    (split.py) when seg_chunks > 0; with options.parallel_output fwd.state_fwd_vp + fwd.output_fwd."""
+    (split.py) when seg_chunks > 0; with options.parallel_output fwd.state_fwd_vp (or
+    hopper.state_fwd, see use_hopper_state_fwd) + fwd.output_fwd."""
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
     bf16 = options.bf16_state_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
     prec = common.BF16_OPERANDS if bf16 else common.mm_precision(dtype)
@@ -295,14 +306,26 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
         starts, ht = split.segment_scan(h0, P, R, reverse=False, block_v=block_v,
                                         interpret=interpret, precision=common.exact_precision(dtype))
     if options.parallel_output:
-        vp, h, ht_pass = fwd.state_fwd_vp(kd, w, u, gl, starts, precision=prec,
-                                          state_dtype=state_dtype, vp_dtype=u.dtype, **kw)
+        if use_hopper_state_fwd(kd, w, u, block_v, bf16, state_dtype, interpret, options):
+            vp, h, ht_pass = hopper.state_fwd(kd, w, u, gl, starts, interpret=interpret)
+        else:
+            vp, h, ht_pass = fwd.state_fwd_vp(kd, w, u, gl, starts, precision=prec,
+                                              state_dtype=state_dtype, vp_dtype=u.dtype, **kw)
         o = fwd.output_fwd(qg, aqk, vp, h, chunk_size=chunk_size, out_dtype=out_dtype,
                            interpret=interpret, precision=prec)
     else:
         o, h, ht_pass = fwd.state_fwd(*fac, starts, out_dtype=out_dtype, precision=prec,
                                       save_states=save_states, state_dtype=state_dtype, **kw)
     return o, h, (ht if seg_chunks else ht_pass)
+
+
+def use_hopper_state_fwd(kd, w, u, block_v, bf16_dots, state_dtype, interpret, options) -> bool:
+    """Whether the forward state pass runs hopper.state_fwd (KernelOptions.hopper_state_fwd)."""
+    return (options.hopper_state_fwd and bf16_dots and kd.shape[-1] in hopper.HEAD_DIMS
+            and block_v == hopper.BLOCK_V and u.shape[-1] % hopper.BLOCK_V == 0
+            and jnp.dtype(kd.dtype) == jnp.dtype(jnp.bfloat16) and w.dtype == u.dtype == jnp.float32
+            and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
+            and (bool(interpret) or hopper.is_hopper()))
 
 
 def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
