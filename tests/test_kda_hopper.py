@@ -1,10 +1,10 @@
-"""The Hopper (Mosaic GPU) forward state pass, pallas_kernels.kda.hopper.state_fwd, and its dispatch
-(ops.KernelOptions.hopper_state_fwd).
+"""The Hopper (Mosaic GPU) serial state passes, pallas_kernels.kda.hopper.state_fwd / state_bwd, and
+their dispatch (ops.KernelOptions.hopper_state_fwd / hopper_state_bwd).
 
-Held to the Triton kernel it replaces (fwd.state_fwd_vp with bf16 operands, the default op's
-rounding, same layouts) in Mosaic GPU interpret mode on CPU, per segment too, lowered for CUDA on
-CPU, bad input refused; through the op against hopper_state_fwd=False; the `gpu` class runs it
-compiled on the H200 against the compiled Triton kernel.
+Each is held to the Triton kernel it replaces (fwd.state_fwd_vp / bwd.state_bwd with bf16 operands,
+the default op's rounding, same layouts) in Mosaic GPU interpret mode on CPU, per segment too, with
+the interpreter's race detector, lowered for CUDA on CPU, bad input refused; through the op against
+the options off; the `gpu` classes run them compiled on the H200 against the compiled Triton kernels.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda import common, fwd, hopper, ops
+from pallas_kernels.kda import bwd, common, fwd, hopper, ops
 from tests.kda_testing import assert_rms_close
 from tests.test_kda_pallas import GRAD_NAMES, _fake_h200, option_ab_inputs, pallas_outputs
 
@@ -32,6 +32,36 @@ def _inputs(B, H, T, K, V, seed=0, scale=0.08, segments=None):
     gl = jnp.exp(-jax.random.uniform(ks[3], (B, H, T // 64, K)))         # e^{G_last} in (e^-1, 1]
     h0 = jax.random.normal(ks[4], (B, H, V, K) if segments is None else (B, H, segments, V, K))  # S^T
     return kd, w, u, gl, h0
+
+
+def _bwd_inputs(B, H, T, K, V, seed=0, scale=0.08, segments=None):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    bf = lambda i: (scale * jax.random.normal(ks[i], (B, H, T, K))).astype(jnp.bfloat16)  # noqa: E731
+    aqk = jnp.tril(0.1 * jax.random.normal(ks[3], (B, H, T // 64, 64, 64)))
+    return (bf(0), bf(1), scale * jax.random.normal(ks[2], (B, H, T, K)),          # qg, kd, w (fp32)
+            aqk.reshape(B, H, T, 64).astype(jnp.bfloat16),
+            jnp.exp(-jax.random.uniform(ks[4], (B, H, T // 64, K))),              # e^{G_last}
+            jax.random.normal(ks[5], (B, T, H, V)).astype(jnp.bfloat16),          # dO, token-major
+            jax.random.normal(ks[6], (B, H, V, K) if segments is None else (B, H, segments, V, K)))
+
+
+def _check_bwd_matches_triton(shape, interpret, tol, segments=None):
+    """hopper.state_bwd vs bwd.state_bwd (bf16 operands) on the same inputs: RMS ratios <= tol."""
+    args = _bwd_inputs(*shape, segments=segments)
+    out = jax.jit(lambda *a: hopper.state_bwd(*a, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: bwd.state_bwd(*a, chunk_size=64, block_v=64, interpret=interpret,
+                                           precision=common.BF16_OPERANDS, state_dtype=jnp.bfloat16))(*args)
+    for name, o, r in zip(("du", "dh", "dh0"), out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype, name
+        assert_rms_close(f"hopper bwd {name} {shape}", r, o, tol)
+
+
+def _no_races(fn, args):
+    """The interpreter's race detector over one run of fn (a single block: it supports one block in
+    the grid)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc   # private API
+    jax.block_until_ready(fn(*args, interpret=plgpu.InterpretGPUParams(detect_races=True)))
+    return not ipc.get_races().races_found
 
 
 def _triton(kd, w, u, gl, h0, interpret):
@@ -92,13 +122,54 @@ class TestHopperStateFwd:
         np.testing.assert_allclose(f32(ht[0, 0]), f32(decayed), rtol=1e-5, atol=1e-6)
 
     def test_no_smem_races(self):
-        # The interpreter's race detector (one block: it supports a single block in the grid):
-        # every read of a loaded SMEM buffer is fenced before the TMA load two chunks on writes into
+        # Every read of a loaded SMEM buffer is fenced before the TMA load two chunks on writes into
         # it (four chunks: both buffers reused).
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc   # private API
-        args = _inputs(1, 1, 256, 128, 64)
-        jax.block_until_ready(hopper.state_fwd(*args, interpret=plgpu.InterpretGPUParams(detect_races=True)))
-        assert not ipc.get_races().races_found
+        assert _no_races(hopper.state_fwd, _inputs(1, 1, 256, 128, 64))
+
+
+class TestHopperStateBwd:
+    """hopper.state_bwd in Mosaic GPU interpret mode on CPU."""
+
+    @pytest.mark.parametrize("B, H, T, K, V, segments, tol", [(1, 2, 192, 128, 128, None, 1e-3),
+                                                              (2, 3, 128, 64, 128, None, 1e-3),
+                                                              (1, 1, 256, 128, 64, 2, 1e-6)])
+    def test_matches_triton_state_pass(self, B, H, T, K, V, segments, tol):
+        # Same math and operand rounding (dS, dV', W rounded to bf16 per dot); the fp32 accumulation
+        # order differs (two wgmma into one accumulator). Measured (interpret, RMS ratios):
+        # (1, 2, 192, 128, 128) du 3.7e-5, dh 4.4e-5, dh0 6.2e-5; (2, 3, 128, 64, 128) du 1.0e-5,
+        # dh 1.4e-5, dh0 4.3e-5; two segments of two chunks du 6.4e-8, dh 0, dh0 6.4e-8. Aqk not
+        # transposed, a chunk out of order or the wrong segment's dht give O(1).
+        _check_bwd_matches_triton((B, H, T, K, V), True, tol, segments=segments)
+
+    def test_no_smem_races(self):
+        # Four chunks: both buffers of the two-deep loads reused, and W's single buffer refilled
+        # after the fence that follows its last read (issuing that load before the fence is
+        # reported as a race: checked by hand on 2026-12-01).
+        assert _no_races(hopper.state_bwd, _bwd_inputs(1, 1, 256, 128, 64))
+
+    def test_bad_input_raises(self):
+        qg, kd, w, aqk, gl, do, dht = _bwd_inputs(1, 1, 128, 64, 64)
+        with pytest.raises(ValueError, match="T = 100"):
+            hopper.state_bwd(*(x[:, :, :100] for x in (qg, kd, w, aqk)), gl, do[:, :100], dht)
+        with pytest.raises(ValueError, match="bf16"):
+            hopper.state_bwd(qg, kd, w, aqk, gl, do.astype(jnp.float32), dht)
+        with pytest.raises(ValueError, match="fp32"):
+            hopper.state_bwd(qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht)
+        with pytest.raises(ValueError, match="shapes"):
+            hopper.state_bwd(qg, kd, w, aqk, gl, jnp.swapaxes(do, 1, 2), dht)       # dO head-major
+        with pytest.raises(ValueError, match="NS = 3"):
+            hopper.state_bwd(qg, kd, w, aqk, gl, do, jnp.stack([dht] * 3, axis=2))
+
+    @pytest.mark.parametrize("K", [64, 128])
+    def test_lowers_for_cuda(self, K):
+        # 217 KiB of shared memory at K = 128 (under the 227 KiB limit the lowering checks).
+        sd = jax.ShapeDtypeStruct
+        B, H, T, V = 8, 16, 4096, 128
+        bf, f32 = jnp.bfloat16, jnp.float32
+        args = (sd((B, H, T, K), bf), sd((B, H, T, K), bf), sd((B, H, T, K), f32), sd((B, H, T, 64), bf),
+                sd((B, H, T // 64, K), f32), sd((B, T, H, V), bf), sd((B, H, V, K), f32))
+        text = jax.jit(hopper.state_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 class TestHopperStateFwdCPU:
@@ -132,69 +203,77 @@ class TestHopperStateFwdCPU:
         assert "mosaic_gpu" in text
 
 
-class TestHopperStateFwdOption:
-    """ops.KernelOptions.hopper_state_fwd (on by default): where it applies the op runs
-    hopper.state_fwd (in Mosaic GPU interpret mode under interpret=True), elsewhere the Triton pass."""
+class TestHopperStateOptions:
+    """ops.KernelOptions.hopper_state_fwd / hopper_state_bwd (on by default): where they apply the op
+    runs hopper.state_fwd / state_bwd (in Mosaic GPU interpret mode under interpret=True), elsewhere
+    the Triton passes."""
 
     @staticmethod
     def _count_calls(monkeypatch):
         calls = []
-        real = hopper.state_fwd
+        for name in ("state_fwd", "state_bwd"):
+            real = getattr(hopper, name)
 
-        def counting(*a, **kw):
-            calls.append(a[0].shape)
-            return real(*a, **kw)
-        monkeypatch.setattr(hopper, "state_fwd", counting)
+            def counting(*a, _real=real, _name=name, **kw):
+                calls.append((_name, a[0].shape))
+                return _real(*a, **kw)
+            monkeypatch.setattr(hopper, name, counting)
         return calls
 
     @pytest.mark.parametrize("segments, lower_bound, sequence_split", [(True, -5.0, 0), (False, None, 1)])
     def test_op_matches_triton_pass(self, monkeypatch, segments, lower_bound, sequence_split):
-        # bf16 at K = V = 64 (the smallest head the kernel takes): bounded gates with segment_ids in
-        # one serial pass, and unbounded gates through the sequence split (segments of one chunk,
-        # per-segment starts). Same rounding as the Triton pass: measured o, dq..dh0 identical, ht
-        # 2.5e-8 (fp32 accumulation order).
+        # bf16 at K = V = 64 (the smallest head the kernels take): bounded gates with segment_ids
+        # in one serial pass, and unbounded gates through the sequence split (segments of one chunk,
+        # per-segment starts and ends). Same rounding as the Triton passes (RMS ratios, fp32
+        # accumulation order): hopper_state_fwd off: ht 2.5e-8, the rest identical;
+        # hopper_state_bwd off: dh0 5e-8, dg 7.3e-6 (unbounded + split), the rest identical.
         calls = self._count_calls(monkeypatch)
         x, seg, do, dht = option_ab_inputs(70, "bfloat16", segments=segments, lower_bound=lower_bound,
                                            V=64, K=64)
         on = ops.KernelOptions()
-        off = dataclasses.replace(on, hopper_state_fwd=False)
         kw = dict(segment_ids=seg, lower_bound=lower_bound, sequence_split=sequence_split)
         o, ht, grads = pallas_outputs(x, do, dht, on, **kw)
-        assert calls == [(2, 1, 256, 64)]                   # [B, H, Tp, Kp]: the Hopper pass ran
-        o0, ht0, g0 = pallas_outputs(x, do, dht, off, **kw)
-        assert len(calls) == 1
-        assert_rms_close("hopper option o", o0, o, 1e-5)
-        assert_rms_close("hopper option ht", ht0, ht, 1e-5)
-        for name in GRAD_NAMES:
-            assert_rms_close(f"hopper option {name}", g0[name], grads[name], 1e-5)
+        assert calls == [("state_fwd", (2, 1, 256, 64)), ("state_bwd", (2, 1, 256, 64))]   # [B, H, Tp, Kp]
+        for field, tol in (("hopper_state_fwd", 1e-5), ("hopper_state_bwd", 1e-5)):
+            del calls[:]
+            o0, ht0, g0 = pallas_outputs(x, do, dht, dataclasses.replace(on, **{field: False}), **kw)
+            assert [name for name, _ in calls] == [{"hopper_state_fwd": "state_bwd"}.get(field, "state_fwd")]
+            assert_rms_close(f"{field} off: o", o0, o, tol)
+            assert_rms_close(f"{field} off: ht", ht0, ht, tol)
+            for name in GRAD_NAMES:
+                assert_rms_close(f"{field} off: {name}", g0[name], grads[name], tol)
 
     def test_not_used_where_it_does_not_apply(self, monkeypatch):
-        # Traced only: fp32 inputs, K = 32 (padded 32), V = 32 and a compiled call on this CPU host
-        # (not a Hopper GPU) take the Triton pass; the bf16 K = V = 64 interpret call takes Hopper.
+        # Gradients traced only: fp32 inputs, K = 32 (padded 32), V = 32 and a compiled call on this
+        # CPU host (not a Hopper GPU) take the Triton passes; the bf16 K = V = 64 interpret call
+        # takes both Hopper passes.
         calls = self._count_calls(monkeypatch)
         sd = jax.ShapeDtypeStruct
 
         def trace(K, V, dtype, interpret):
             q, v = sd((1, 128, 1, K), dtype), sd((1, 128, 1, V), dtype)
             g, beta = sd((1, 128, 1, K), jnp.float32), sd((1, 128, 1), dtype)
-            jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=interpret)[0]).trace(q, q, v, g, beta)
+            def loss(*a):
+                return jnp.sum(ops.kda_pallas(*a, lower_bound=-5.0, interpret=interpret)[0].astype(jnp.float32))
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, v, g, beta)
         for K, V, dtype, interpret in [(64, 64, jnp.float32, True), (32, 64, jnp.bfloat16, True),
                                        (64, 32, jnp.bfloat16, True), (64, 64, jnp.bfloat16, False)]:
             trace(K, V, dtype, interpret)
         assert calls == []
         trace(64, 64, jnp.bfloat16, True)
-        assert len(calls) == 1
+        assert [name for name, _ in calls] == ["state_fwd", "state_bwd"]
         assert not hopper.is_hopper()                       # this CPU host
 
     def test_op_lowers_for_cuda_on_hopper(self, monkeypatch):
-        # With the device taken for an sm_90 GPU the op's gradient lowers with the Mosaic GPU state
-        # pass next to the Triton kernels; hopper_state_fwd=False lowers without it.
+        # With the device taken for an sm_90 GPU the op's gradient lowers with the two Mosaic GPU
+        # state passes in place of two Triton kernels; with both options off, without them.
         from tests.test_kda_pallas import lowered_grad_text
         monkeypatch.setattr(hopper, "is_hopper", lambda device=None: True)
         on = lowered_grad_text(ops.KernelOptions())
-        off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_state_fwd=False))
-        assert "mosaic_gpu" in on and "mosaic_gpu" not in off
-        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
+        off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_state_fwd=False,
+                                                    hopper_state_bwd=False))
+        assert on.count("mosaic_gpu") >= 2 and "mosaic_gpu" not in off
+        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 2
 
 
 @pytest.mark.gpu
@@ -207,3 +286,10 @@ class TestHopperStateFwdGPU:
     @pytest.mark.parametrize("shape, tol", [((2, 4, 1024, 128, 128), 2e-3), ((8, 16, 4096, 128, 128), 5e-3)])
     def test_matches_triton_state_pass(self, shape, tol):
         _check_matches_triton(shape, False, tol)
+
+    @pytest.mark.parametrize("shape, tol", [((2, 4, 1024, 128, 128), 2e-3), ((8, 16, 4096, 128, 128), 5e-3)])
+    def test_bwd_matches_triton_state_pass(self, shape, tol):
+        _check_bwd_matches_triton(shape, False, tol)
+
+    def test_bwd_per_segment(self):
+        _check_bwd_matches_triton((2, 4, 1024, 128, 128), False, 2e-3, segments=4)

@@ -12,10 +12,21 @@ bf16_state_dots). W arrives in fp32 (the op's saved factor) and is rounded to bf
 The next chunk's TMA loads (Kd, W, U, e^{G_last}) are issued before this chunk's dots (two buffers
 per input), so only the first chunk's load is exposed.
 
+`state_bwd`: the backward's reverse serial pass (bwd.state_bwd's math and layouts, fla's
+chunk_gated_delta_rule_bwd_dhu), one warpgroup per (batch x head, V block, segment), dS^T [BV, K] in
+fp32 registers. Per chunk, last to first:
+  dh_c = dS^T (stored bf16), dV' = Aqk^T dO + Kd dS, dS^T <- dS^T Diag(e^{G_last}) + dO^T Qg - dV'^T W,
+four wgmma with bf16 operands (bwd.state_bwd with common.BF16_OPERANDS, the op's default
+bf16_state_bwd_dots), two into each accumulator (-dV' is stored negated, exact in bf16). dO is read
+token-major [B, T, H, V] as the op has it. The previous chunk's Qg, Kd, Aqk, dO, e^{G_last} are
+loaded two buffers deep; W (fp32, 32 KiB a chunk) has one buffer, refilled as soon as this chunk's
+W is rounded into the bf16 operand buffer.
+
 Layouts: the same as fwd.state_fwd_vp (the transposed states [V, K] of the Triton kernels), so the
 op can call either: h [B, H, NT, V, K], h0 / ht [B, H, V, K] or per segment [B, H, NS, V, K].
 
-Measured (H200, 2026-12-01, kda_pallas_notes.md rounds 7 and 8). Dispatch: ops.KernelOptions.hopper_state_fwd.
+Measured (H200, 2026-12-01, kda_pallas_notes.md rounds 7 to 9). Dispatch: ops.KernelOptions
+hopper_state_fwd and hopper_state_bwd.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`; Mosaic GPU API of jax 0.11.2
 (jax.experimental.pallas.mosaic_gpu).
 """
@@ -164,3 +175,134 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
     vp, h, ht = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(h0s))
     ht = ht.reshape(B, H, NS, V, K)
     return vp.reshape(B, H, T, V), h.reshape(B, H, NT, V, K), (ht if per_segment else ht[:, :, 0])
+
+
+def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretGPUParams = False):
+    """Backward reverse serial state pass on Hopper (module docstring); chunk 64, V blocks of 64.
+
+    Args:
+      qg, kd: [B, H, T, K] bf16 (intra_fwd's Qg, Kd).
+      w: [B, H, T, K] fp32 (W; rounded to bf16 in the kernel, as bwd.state_bwd's bf16-operand dot).
+      aqk: [B, H, T, 64] bf16 (intra_fwd's Aqk, lower-triangular per chunk).
+      gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay, not a log).
+      do: [B, T, H, V] bf16, the output gradient (token-major, the user's layout).
+      dht: [B, H, V, K] fp32, the TRANSPOSED gradient of the final state, or [B, H, NS, V, K]: the
+        gradient at the end of each of NS segments (the sequence split; NS divides T / 64).
+      interpret: as state_fwd.
+    Returns: du = dV' [B, H, T, V] fp32; dh [B, H, T / 64, V, K] bf16 (the transposed gradient of the
+      state after each chunk); dh0 fp32 of dht's shape (at the start of the sequence / each segment).
+    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, qg / kd /
+      aqk / do not bf16, w / gl / dht not fp32, NS not dividing T / 64, or shapes that do not match.
+    """
+    B, H, T, K = qg.shape
+    V = do.shape[-1]
+    if T % CHUNK:
+        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"K = {K} must be one of {HEAD_DIMS} (wgmma tiles; one warpgroup holds dS^T [64, K] fp32)")
+    if V % BLOCK_V:
+        raise ValueError(f"V = {V} must be a multiple of {BLOCK_V}")
+    if not all(x.dtype == BF16 for x in (qg, kd, aqk, do)):
+        raise ValueError(f"qg, kd, aqk and do must be bf16 (wgmma operands); got {qg.dtype}, {kd.dtype}, "
+                         f"{aqk.dtype}, {do.dtype}")
+    if not all(x.dtype == F32 for x in (w, gl, dht)):
+        raise ValueError(f"w, gl and dht must be fp32; got {w.dtype}, {gl.dtype}, {dht.dtype}")
+    NT = T // CHUNK
+    per_segment = dht.ndim == 5
+    NS = dht.shape[2] if per_segment else 1
+    if (kd.shape != qg.shape or w.shape != qg.shape or aqk.shape != (B, H, T, CHUNK)
+            or gl.shape != (B, H, NT, K) or do.shape != (B, T, H, V)
+            or dht.shape != ((B, H, NS, V, K) if per_segment else (B, H, V, K))):
+        raise ValueError(f"shapes do not match: qg {qg.shape}, kd {kd.shape}, w {w.shape}, aqk {aqk.shape}, "
+                         f"gl {gl.shape}, do {do.shape}, dht {dht.shape} (expected kd = w = qg [B, H, T, K], "
+                         "aqk [B, H, T, 64], gl [B, H, T/64, K], do [B, T, H, V], dht [B, H, V, K] or "
+                         "[B, H, NS, V, K])")
+    if NS < 1 or NT % NS:
+        raise ValueError(f"dht's segment count NS = {NS} must divide the chunk count T / 64 = {NT}")
+    C, BV, L = CHUNK, BLOCK_V, NT // NS
+    BH = B * H
+
+    def body(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref, du_ref, dh_ref, dh0_ref,
+             qg_s, kd_s, aqk_s, do_s, gl_s, w32_s, w_s, ds_b, dvn_s, dv_s, st_s, bar_in, bar_w, bar_h):
+        bh, iv, sg = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("s")
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        vcols = pl.ds(iv * BV, BV)
+        plgpu.copy_gmem_to_smem(dht_ref.at[bh, sg, vcols], st_s, bar_h.at[0])
+
+        def chunk(j):                                     # step j runs chunk c, last to first
+            return sg * L + (L - 1 - j)
+
+        def load(j, slot):
+            c = chunk(j)
+            tok = pl.ds(c * C, C)
+            for src, dst in ((qg_ref.at[bh, tok], qg_s.at[slot]), (kd_ref.at[bh, tok], kd_s.at[slot]),
+                             (aqk_ref.at[bh, tok], aqk_s.at[slot]), (do_ref.at[b, tok, hh, vcols], do_s.at[slot]),
+                             (gl_ref.at[bh, c], gl_s.at[slot])):
+                plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
+
+        def load_w(j):
+            plgpu.copy_gmem_to_smem(w_ref.at[bh, pl.ds(chunk(j) * C, C)], w32_s, bar_w.at[0])
+
+        load(0, 0)
+        load_w(0)
+        plgpu.barrier_wait(bar_h.at[0])
+
+        def step(j, dSt):
+            slot = lax.rem(j, 2)
+            c = chunk(j)
+
+            @pl.when(j + 1 < L)
+            def _():             # the other buffers' last reads (chunk j - 1) are fenced or waited on
+                load(j + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar_in.at[slot])
+            plgpu.barrier_wait(bar_w.at[0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read ds_b, dv_s
+            w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
+            decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+            ds_b[...] = dSt.astype(BF16)
+            plgpu.commit_smem()                   # also orders the reads of w32_s, gl_s before reloads
+
+            @pl.when(j + 1 < L)
+            def _():
+                load_w(j + 1)
+
+            plgpu.copy_smem_to_gmem(ds_b, dh_ref.at[bh, c, vcols])
+
+            def dvp_dot(acc):                     # Aqk^T dO + Kd dS: [C, C] [C, BV] + [C, K] [K, BV]
+                plgpu.wgmma(acc, aqk_s.at[slot].T, do_s.at[slot])
+                plgpu.wgmma(acc, kd_s.at[slot], ds_b.T)
+                return acc[...]
+            dvp = pl.run_scoped(dvp_dot, plgpu.ACC((C, BV), F32))
+            dvn_s[...] = (-dvp).astype(BF16)
+            dv_s[...] = dvp
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dv_s, du_ref.at[bh, pl.ds(c * C, C), vcols])
+
+            def ds_dot(acc):                      # dO^T Qg - dV'^T W: [BV, C] [C, K] twice
+                plgpu.wgmma(acc, do_s.at[slot].T, qg_s.at[slot])
+                plgpu.wgmma(acc, dvn_s.T, w_s)
+                return acc[...]
+            return dSt * decay[None, :] + pl.run_scoped(ds_dot, plgpu.ACC((BV, K), F32))
+
+        dSt = lax.fori_loop(0, L, step, plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA))
+        st_s[...] = dSt                   # st_s's only other use, dht's load, was waited on above
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dh0_ref.at[bh, sg, vcols])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
+                  jax.ShapeDtypeStruct((BH, NS, V, K), F32)),
+        scratch_types=[_operand((2, C, K)), _operand((2, C, K)), _operand((2, C, C)), _operand((2, C, BV)),
+                       plgpu.SMEM((2, K), F32), plgpu.SMEM((C, K), F32), _operand((C, K)), _operand((BV, K)),
+                       _operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
+                       plgpu.Barrier(num_arrivals=5, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+    flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
+    dhts = dht if per_segment else dht[:, :, None]
+    du, dh, dh0 = kernel(flat(qg), flat(kd), flat(w), flat(aqk), flat(gl), do, flat(dhts))
+    dh0 = dh0.reshape(B, H, NS, V, K)
+    return du.reshape(B, H, T, V), dh.reshape(B, H, NT, V, K), (dh0 if per_segment else dh0[:, :, 0])

@@ -10,7 +10,9 @@ too). Backward: reuses what the
 differentiated forward saved (chunk factors, A and M, per-chunk states; nothing is recomputed);
 `bwd.state_bwd` (reverse serial pass, split the same way when the forward's is) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
-give dq, dk, dv, dg, dbeta and dh0. The kernels read and write the user's token-major [B, T, H, .]
+give dq, dk, dv, dg, dbeta and dh0. On an sm_90 GPU (and in interpret mode) the two serial state
+passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd
+/ hopper_state_bwd, same math and layouts). The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
 g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
@@ -43,7 +45,8 @@ the compact backward kernel b); all other kernels need no bound. That path exist
 default option set (UNBOUNDED_OPTIONS: the seven round-3 fields on, any values of BOUND_FREE_FIELDS:
 UNBOUNDED_OPTION_SETS); `supported` refuses other option sets.
 
-Lowering: a portable `pl.pallas_call` with BlockSpecs; on GPU jax 0.11.2 lowers it through the
+Lowering: a portable `pl.pallas_call` with BlockSpecs (every kernel but the two Hopper passes of
+hopper.py, which are `plgpu.kernel`s lowered by Mosaic GPU); on GPU jax 0.11.2 lowers it through the
 Triton backend (the default for pallas_call on CUDA; `common.INTRA_PARAMS` / `STATE_PARAMS` /
 `CUMSUM_PARAMS` set num_warps and num_stages=1, `OUTPUT_PARAMS` num_warps); `interpret=True` runs the
 same kernel bodies on CPU. Not run on TPU.
@@ -186,6 +189,9 @@ class KernelOptions:
       interpret mode (which then runs it in Mosaic GPU interpret mode, so CPU tests cover what the
       H200 runs). Elsewhere (other GPUs, fp32, small heads) the Triton pass runs; it is the
       same function, so no call is refused for this option.
+    hopper_state_bwd (round 9 of kda_pallas_notes.md): the backward's serial state pass
+      (bwd.state_bwd with bf16 operands) as the Mosaic GPU kernel hopper.state_bwd, under the same
+      conditions with bf16_state_bwd_dots in place of bf16_state_dots (and a bf16 output gradient).
     """
 
     split_intra_bwd: bool = True
@@ -199,6 +205,7 @@ class KernelOptions:
     pallas_cumsum: bool = True
     bf16_state_bwd_dots: bool = True
     hopper_state_fwd: bool = True
+    hopper_state_bwd: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -206,7 +213,7 @@ class KernelOptions:
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
-                               bf16_state_bwd_dots=False, hopper_state_fwd=False)
+                               bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -217,13 +224,14 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
-                                  bf16_state_bwd_dots=True, hopper_state_fwd=True)
+                                  bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
-# backward state pass's dot precision, the Hopper forward state pass): unbounded gates run with
+# backward state pass's dot precision, the Hopper state passes): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
 # TestHopperStateFwdOption).
-BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd")
+BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
+                     "hopper_state_bwd")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -319,13 +327,30 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
     return o, h, (ht if seg_chunks else ht_pass)
 
 
+def _hopper_applies(kd, w, V, block_v, bf16_dots, state_dtype, interpret) -> bool:
+    """The conditions shared by both Hopper state passes (KernelOptions.hopper_state_fwd / _bwd)."""
+    return (bf16_dots and kd.shape[-1] in hopper.HEAD_DIMS and block_v == hopper.BLOCK_V
+            and V % hopper.BLOCK_V == 0 and jnp.dtype(kd.dtype) == jnp.dtype(jnp.bfloat16)
+            and w.dtype == jnp.float32 and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
+            and (bool(interpret) or hopper.is_hopper()))
+
+
 def use_hopper_state_fwd(kd, w, u, block_v, bf16_dots, state_dtype, interpret, options) -> bool:
     """Whether the forward state pass runs hopper.state_fwd (KernelOptions.hopper_state_fwd)."""
-    return (options.hopper_state_fwd and bf16_dots and kd.shape[-1] in hopper.HEAD_DIMS
-            and block_v == hopper.BLOCK_V and u.shape[-1] % hopper.BLOCK_V == 0
-            and jnp.dtype(kd.dtype) == jnp.dtype(jnp.bfloat16) and w.dtype == u.dtype == jnp.float32
-            and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
-            and (bool(interpret) or hopper.is_hopper()))
+    return (options.hopper_state_fwd and u.dtype == jnp.float32
+            and _hopper_applies(kd, w, u.shape[-1], block_v, bf16_dots, state_dtype, interpret))
+
+
+def _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, *, bf16_dots, precision, state_dtype, chunk_size,
+                    block_v, interpret, options):
+    """The backward's serial state pass: hopper.state_bwd (KernelOptions.hopper_state_bwd, where it
+    applies) or bwd.state_bwd; same outputs (du, dh, dh0)."""
+    if (options.hopper_state_bwd and jnp.dtype(do.dtype) == jnp.dtype(jnp.bfloat16)
+            and qg.dtype == aqk.dtype == kd.dtype
+            and _hopper_applies(kd, w, do.shape[-1], block_v, bf16_dots, state_dtype, interpret)):
+        return hopper.state_bwd(qg, kd, w, aqk, gl, do, dht, interpret=interpret)
+    return bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=precision, state_dtype=state_dtype,
+                         chunk_size=chunk_size, block_v=block_v, interpret=interpret)
 
 
 def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
@@ -382,17 +407,16 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
     bf16 = options.bf16_state_bwd_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
     state_prec = common.BF16_OPERANDS if bf16 else common.mm_precision(q.dtype)
+    pass_kw = dict(bf16_dots=bf16, precision=state_prec, state_dtype=h.dtype, options=options, **kw)
     if seg_chunks:
         Q, Z = split.transitions_bwd(qg, kd, w, aqk, gl, do, seg_chunks=seg_chunks,
                                      precision=common.exact_precision(q.dtype), **kw)
         ends, _ = split.segment_scan(dht, Q, Z, reverse=True, block_v=block_v, interpret=interpret,
                                      precision=common.exact_precision(q.dtype))
-        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, ends, precision=state_prec,
-                                    state_dtype=h.dtype, **kw)
+        du, dh, dh0 = _state_bwd_pass(qg, kd, w, aqk, gl, do, ends, **pass_kw)
         dh0 = dh0[:, :, 0]
     else:
-        du, dh, dh0 = bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=state_prec,
-                                    state_dtype=h.dtype, **kw)
+        du, dh, dh0 = _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, **pass_kw)
     dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret,
                                           split=options.split_intra_bwd,
