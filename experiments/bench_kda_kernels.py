@@ -277,7 +277,7 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
                   "state_fwd_hopper": ()}
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
-# bf16_state_bwd_dots and hopper_state_fwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
+# bf16_state_bwd_dots and the two hopper_state options on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
 # over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01
 # 03:00 UTC (kda_ab_round3_h200.json included) wrote "base" for the then-default all-off kernels,
@@ -288,7 +288,7 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "xla_cumsum": "xla_gate_cumsum", "split_fwd": "split_intra_fwd",
                   "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd",
                   "pallas_cumsum": "pallas_cumsum", "bf16_state_bwd": "bf16_state_bwd_dots",
-                  "hopper_state": "hopper_state_fwd"}
+                  "hopper_state": "hopper_state_fwd", "hopper_state_bwd": "hopper_state_bwd"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
