@@ -264,6 +264,31 @@ class TestHopperStateOptions:
         assert [name for name, _ in calls] == ["state_fwd", "state_bwd"]
         assert not hopper.is_hopper()                       # this CPU host
 
+    def test_automatic_split_with_hopper_passes(self, monkeypatch):
+        # With both passes on Hopper the automatic sequence split starts below
+        # SPLIT_TARGET_PROGRAMS_HOPPER programs instead of SPLIT_TARGET_PROGRAMS (measured, round 10).
+        # Traced only, B * H * V-blocks = 32 programs: one serial pass with the Hopper passes, the
+        # split (transitions) with either option off or on a non-Hopper compiled call.
+        from pallas_kernels.kda import split
+        assert ops.hopper_serial_passes(jnp.bfloat16, 128, 128, 64, True, ops.KernelOptions())
+        assert not ops.hopper_serial_passes(jnp.float32, 128, 128, 64, True, ops.KernelOptions())
+        assert not ops.hopper_serial_passes(jnp.bfloat16, 128, 128, 64, False, ops.KernelOptions())  # CPU host
+        assert ops.split_chunks(256, None, 64, ops.SPLIT_TARGET_PROGRAMS_HOPPER) == 0
+        assert ops.split_chunks(256, None, 8, ops.SPLIT_TARGET_PROGRAMS_HOPPER) == 64     # 4 segments
+        assert ops.split_chunks(256, None, 64) == 64                                    # the Triton rule
+        transitions = []
+        real = split.transitions_fwd
+        monkeypatch.setattr(split, "transitions_fwd", lambda *a, **kw: transitions.append(1) or real(*a, **kw))
+        sd = jax.ShapeDtypeStruct
+        q, g, beta = sd((1, 512, 16, 128), jnp.bfloat16), sd((1, 512, 16, 128), jnp.float32), sd((1, 512, 16), jnp.bfloat16)
+        for field, split_expected in (("hopper_state_fwd", False), ("hopper_state_fwd", True),
+                                      ("hopper_state_bwd", True)):
+            del transitions[:]
+            opts = ops.KernelOptions() if not split_expected else dataclasses.replace(ops.KernelOptions(), **{field: False})
+            jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=opts)[0]).trace(
+                q, q, q, g, beta)
+            assert bool(transitions) == split_expected, (field, split_expected)
+
     def test_op_lowers_for_cuda_on_hopper(self, monkeypatch):
         # With the device taken for an sm_90 GPU the op's gradient lowers with the two Mosaic GPU
         # state passes in place of two Triton kernels; with both options off, without them.

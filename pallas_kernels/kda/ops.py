@@ -79,21 +79,30 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # reach it. The split costs ~3x the serial work, so it pays only on an under-filled GPU.
 SPLIT_TARGET_PROGRAMS = 256
 SPLIT_MIN_CHUNKS = 4
+# The same rule when both serial passes run on Hopper (hopper.py; KernelOptions.hopper_state_fwd and
+# hopper_state_bwd): their chunk step is short enough that one serial pass beat the split at 32 and
+# 64 programs on the H200 (2026-12-01, round 10 of kda_pallas_notes.md: 1x65536x16 forward 6.12 ->
+# 4.96 ms, forward+backward 28.05 -> 24.55; 2x16384x16 3.11 -> 2.31, 14.07 -> 11.71). Below 32
+# programs the split is kept (not measured: with 8 programs one pass would run 4x the serial steps
+# of the split's segments).
+SPLIT_TARGET_PROGRAMS_HOPPER = 32
 
 
-def split_chunks(n_chunks: int, sequence_split: int | None = None, n_programs: int | None = None) -> int:
+def split_chunks(n_chunks: int, sequence_split: int | None = None, n_programs: int | None = None,
+                 target_programs: int = SPLIT_TARGET_PROGRAMS) -> int:
     """Segment length (in chunks) for the state passes, or 0 for one serial pass.
 
     sequence_split: None = automatic (see SPLIT_TARGET_PROGRAMS; needs n_programs, the serial
-    pass's program count); 0 = off; L > 0 = segments of L chunks, used only when n_chunks % L == 0
-    and n_chunks >= 2 L.
+    pass's program count; target_programs replaces SPLIT_TARGET_PROGRAMS, e.g. by
+    SPLIT_TARGET_PROGRAMS_HOPPER); 0 = off; L > 0 = segments of L chunks, used only when
+    n_chunks % L == 0 and n_chunks >= 2 L.
     """
     if sequence_split is not None:
         L = int(sequence_split)
         return L if L > 0 and n_chunks % L == 0 and n_chunks >= 2 * L else 0
-    if n_programs is None or n_programs >= SPLIT_TARGET_PROGRAMS:
+    if n_programs is None or n_programs >= target_programs:
         return 0
-    needed = -(-SPLIT_TARGET_PROGRAMS // n_programs)
+    needed = -(-target_programs // n_programs)
     valid = [L for L in (1 << e for e in range(n_chunks.bit_length() - 1, -1, -1))
              if SPLIT_MIN_CHUNKS <= L and n_chunks % L == 0 and n_chunks >= 2 * L]
     for L in valid:                       # largest first: the fewest segments that reach the target
@@ -335,6 +344,19 @@ def _hopper_applies(kd, w, V, block_v, bf16_dots, state_dtype, interpret) -> boo
             and (bool(interpret) or hopper.is_hopper()))
 
 
+def hopper_serial_passes(dtype, Kp: int, Vp: int, block_v: int, interpret, options) -> bool:
+    """Whether BOTH serial state passes of a kda_pallas call with inputs of `dtype` and padded head
+    dims Kp, Vp run on Hopper (then the automatic sequence split uses SPLIT_TARGET_PROGRAMS_HOPPER).
+    The same conditions as use_hopper_state_fwd and _state_bwd_pass, from the static call data."""
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    kd_dtype, w_dtype = factor_dtypes(dtype)[1:3]
+    kd, w = jax.ShapeDtypeStruct((Kp,), kd_dtype), jax.ShapeDtypeStruct((Kp,), w_dtype)
+    return (options.parallel_output and options.hopper_state_fwd and options.hopper_state_bwd and bf16
+            and _hopper_applies(kd, w, Vp, block_v, options.bf16_state_dots, saved_state_dtype(dtype), interpret)
+            and _hopper_applies(kd, w, Vp, block_v, options.bf16_state_bwd_dots, saved_state_dtype(dtype),
+                                interpret))
+
+
 def use_hopper_state_fwd(kd, w, u, block_v, bf16_dots, state_dtype, interpret, options) -> bool:
     """Whether the forward state pass runs hopper.state_fwd (KernelOptions.hopper_state_fwd)."""
     return (options.hopper_state_fwd and u.dtype == jnp.float32
@@ -465,7 +487,9 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | No
       sequence_split: segment length in chunks for the exact sequence split of the serial state
         passes (split.py; see split_chunks): None = automatic (only when the serial pass would run
         fewer than SPLIT_TARGET_PROGRAMS programs, B * H * (Vp // min(Vp, 64)) with Vp the padded V,
-        and the sequence has at least 2 * SPLIT_MIN_CHUNKS chunks), 0 = one serial pass.
+        or fewer than SPLIT_TARGET_PROGRAMS_HOPPER when both passes run on Hopper
+        (hopper_serial_passes), and the sequence has at least 2 * SPLIT_MIN_CHUNKS chunks), 0 = one
+        serial pass.
       options: KernelOptions (kernel variants with the same math); None = KernelOptions().
 
     Returns: (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
@@ -507,7 +531,9 @@ def kda_pallas(q, k, v, g, beta, *, lower_bound: float | None, scale: float | No
         h0 = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
         h0 = jnp.pad(h0, ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
     rel = None if segment_ids is None else common.document_offsets(segment_ids, C, Tp)
-    seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v))
+    hopper_passes = hopper_serial_passes(q.dtype, Kp, Vp, block_v, interpret, options)
+    seg = split_chunks(Tp // C, sequence_split, n_programs=B * H * (Vp // block_v),
+                       target_programs=SPLIT_TARGET_PROGRAMS_HOPPER if hopper_passes else SPLIT_TARGET_PROGRAMS)
     o, ht = _core(qp, kp, vp, gp, bp, h0, rel, float(scale), C, block_v, seg, bool(interpret), options,
                   lower_bound is None)
     o = o[:, :T, :, :V] if (Tp, Vp) != (T, V) else o
