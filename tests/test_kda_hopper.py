@@ -127,6 +127,71 @@ class TestHopperStateFwd:
         assert _no_races(hopper.state_fwd, _inputs(1, 1, 256, 128, 64))
 
 
+def _check_fused_matches_triton(shape, interpret, tol, segments=None, write_states=True):
+    """hopper.state_output_fwd vs fwd.state_fwd_vp + fwd.output_fwd (bf16 operands): RMS ratios <= tol."""
+    B, H, T, K, V = shape
+    kd, w, u, gl, h0 = _inputs(*shape, segments=segments)
+    ks = jax.random.split(jax.random.PRNGKey(9), 2)
+    qg = (0.08 * jax.random.normal(ks[0], (B, H, T, K))).astype(jnp.bfloat16)
+    aqk = jnp.tril(0.1 * jax.random.normal(ks[1], (B, H, T // 64, 64, 64))).reshape(B, H, T, 64)
+    args = (kd, w, u, gl, h0, qg, aqk.astype(jnp.bfloat16))
+    o, h, ht = jax.jit(lambda *a: hopper.state_output_fwd(*a, write_states=write_states, interpret=interpret))(*args)
+
+    def triton(kd, w, u, gl, h0, qg, aqk):
+        vp, h, ht = _triton(kd, w, u, gl, h0, interpret)
+        return fwd.output_fwd(qg, aqk, vp, h, chunk_size=64, out_dtype=jnp.bfloat16, interpret=interpret,
+                              precision=common.BF16_OPERANDS), h, ht
+    ref = jax.jit(triton)(*args)
+    assert (h is None) == (not write_states)
+    for name, x, r in zip(("o", "h", "ht"), (o, h, ht), ref):
+        if x is not None:
+            assert x.shape == r.shape and x.dtype == r.dtype, name
+            assert_rms_close(f"hopper fused {name} {shape}", r, x, tol)
+
+
+class TestHopperStateOutputFwd:
+    """hopper.state_output_fwd (the state pass with the output fused in) in Mosaic GPU interpret mode."""
+
+    @pytest.mark.parametrize("B, H, T, K, V, segments, write_states, tol", [
+        (1, 2, 192, 128, 128, None, True, 1e-3), (2, 3, 128, 64, 128, None, False, 1e-6),
+        (1, 1, 256, 128, 64, 2, True, 1e-6)])
+    def test_matches_triton_state_pass_and_output(self, B, H, T, K, V, segments, write_states, tol):
+        # Against the two Triton kernels it replaces (same bf16 operands). Measured (interpret, RMS
+        # ratios): (1, 2, 192, 128, 128) o 4.0e-5, h 1.2e-5, ht 2.2e-5; (2, 3, 128, 64, 128) without
+        # states o 1.1e-7, ht 3.2e-8; two segments o 0, h 0, ht 3.7e-8. Qg S or Aqk V' left out, or
+        # o written to the wrong token rows, gives O(1).
+        _check_fused_matches_triton((B, H, T, K, V), True, tol, segments=segments, write_states=write_states)
+
+    def test_no_smem_races(self):
+        # h0 and ht are staged through W's single buffer, which is refilled after each fence.
+        kd, w, u, gl, h0 = _inputs(1, 1, 256, 128, 64)
+        aqk = jnp.tril(jnp.ones((1, 1, 4, 64, 64))).reshape(1, 1, 256, 64).astype(jnp.bfloat16)
+        assert _no_races(lambda *a, interpret: hopper.state_output_fwd(*a, interpret=interpret),
+                         (kd, w, u, gl, h0, kd, aqk))
+
+    def test_bad_input_raises(self):
+        kd, w, u, gl, h0 = _inputs(1, 1, 128, 64, 64)
+        aqk = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+        with pytest.raises(ValueError, match="qg must be bf16"):
+            hopper.state_output_fwd(kd, w, u, gl, h0, kd.astype(jnp.float32), aqk)
+        with pytest.raises(ValueError, match="aqk"):
+            hopper.state_output_fwd(kd, w, u, gl, h0, kd, aqk[..., :32])
+        with pytest.raises(ValueError, match="fp32"):                                # the shared checks
+            hopper.state_output_fwd(kd, w.astype(jnp.bfloat16), u, gl, h0, kd, aqk)
+
+    @pytest.mark.parametrize("K, write_states", [(64, True), (128, True), (128, False)])
+    def test_lowers_for_cuda(self, K, write_states):
+        # 193 KiB of shared memory at K = 128 (W's buffer single, also staging h0 / ht).
+        sd = jax.ShapeDtypeStruct
+        B, H, T, V = 8, 16, 4096, 128
+        bf, f32 = jnp.bfloat16, jnp.float32
+        args = (sd((B, H, T, K), bf), sd((B, H, T, K), f32), sd((B, H, T, V), f32), sd((B, H, T // 64, K), f32),
+                sd((B, H, V, K), f32), sd((B, H, T, K), bf), sd((B, H, T, 64), bf))
+        text = jax.jit(lambda *a: hopper.state_output_fwd(*a, write_states=write_states)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 class TestHopperStateBwd:
     """hopper.state_bwd in Mosaic GPU interpret mode on CPU."""
 
@@ -211,7 +276,7 @@ class TestHopperStateOptions:
     @staticmethod
     def _count_calls(monkeypatch):
         calls = []
-        for name in ("state_fwd", "state_bwd"):
+        for name in ("state_fwd", "state_output_fwd", "state_bwd"):
             real = getattr(hopper, name)
 
             def counting(*a, _real=real, _name=name, **kw):
@@ -224,20 +289,24 @@ class TestHopperStateOptions:
     def test_op_matches_triton_pass(self, monkeypatch, segments, lower_bound, sequence_split):
         # bf16 at K = V = 64 (the smallest head the kernels take): bounded gates with segment_ids
         # in one serial pass, and unbounded gates through the sequence split (segments of one chunk,
-        # per-segment starts and ends). Same rounding as the Triton passes (RMS ratios, fp32
+        # per-segment starts and ends). Same rounding as the Triton kernels (RMS ratios, fp32
         # accumulation order): hopper_state_fwd off: ht 2.5e-8, the rest identical;
-        # hopper_state_bwd off: dh0 5e-8, dg 7.3e-6 (unbounded + split), the rest identical.
+        # hopper_state_bwd off: dh0 5e-8, dg 7.3e-6 (unbounded + split), the rest identical;
+        # hopper_fused_output off: o 2.7e-7 (bounded + segments), the rest identical.
         calls = self._count_calls(monkeypatch)
         x, seg, do, dht = option_ab_inputs(70, "bfloat16", segments=segments, lower_bound=lower_bound,
                                            V=64, K=64)
         on = ops.KernelOptions()
         kw = dict(segment_ids=seg, lower_bound=lower_bound, sequence_split=sequence_split)
         o, ht, grads = pallas_outputs(x, do, dht, on, **kw)
-        assert calls == [("state_fwd", (2, 1, 256, 64)), ("state_bwd", (2, 1, 256, 64))]   # [B, H, Tp, Kp]
-        for field, tol in (("hopper_state_fwd", 1e-5), ("hopper_state_bwd", 1e-5)):
+        assert calls == [("state_output_fwd", (2, 1, 256, 64)), ("state_bwd", (2, 1, 256, 64))]  # [B, H, Tp, Kp]
+        expected = {"hopper_fused_output": ["state_fwd", "state_bwd"], "hopper_state_fwd": ["state_bwd"],
+                    "hopper_state_bwd": ["state_output_fwd"]}
+        for field, names in expected.items():
             del calls[:]
             o0, ht0, g0 = pallas_outputs(x, do, dht, dataclasses.replace(on, **{field: False}), **kw)
-            assert [name for name, _ in calls] == [{"hopper_state_fwd": "state_bwd"}.get(field, "state_fwd")]
+            assert [name for name, _ in calls] == names, field
+            tol = 1e-5
             assert_rms_close(f"{field} off: o", o0, o, tol)
             assert_rms_close(f"{field} off: ht", ht0, ht, tol)
             for name in GRAD_NAMES:
@@ -261,7 +330,7 @@ class TestHopperStateOptions:
             trace(K, V, dtype, interpret)
         assert calls == []
         trace(64, 64, jnp.bfloat16, True)
-        assert [name for name, _ in calls] == ["state_fwd", "state_bwd"]
+        assert [name for name, _ in calls] == ["state_output_fwd", "state_bwd"]
         assert not hopper.is_hopper()                       # this CPU host
 
     def test_automatic_split_with_hopper_passes(self, monkeypatch):
@@ -291,14 +360,15 @@ class TestHopperStateOptions:
 
     def test_op_lowers_for_cuda_on_hopper(self, monkeypatch):
         # With the device taken for an sm_90 GPU the op's gradient lowers with the two Mosaic GPU
-        # state passes in place of two Triton kernels; with both options off, without them.
+        # state passes in place of three Triton kernels (state_fwd_vp + output_fwd, state_bwd);
+        # with the three options off, without them.
         from tests.test_kda_pallas import lowered_grad_text
         monkeypatch.setattr(hopper, "is_hopper", lambda device=None: True)
         on = lowered_grad_text(ops.KernelOptions())
         off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_state_fwd=False,
-                                                    hopper_state_bwd=False))
+                                                    hopper_state_bwd=False, hopper_fused_output=False))
         assert on.count("mosaic_gpu") >= 2 and "mosaic_gpu" not in off
-        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 2
+        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 3
 
 
 @pytest.mark.gpu
@@ -315,6 +385,10 @@ class TestHopperStateFwdGPU:
     @pytest.mark.parametrize("shape, tol", [((2, 4, 1024, 128, 128), 2e-3), ((8, 16, 4096, 128, 128), 5e-3)])
     def test_bwd_matches_triton_state_pass(self, shape, tol):
         _check_bwd_matches_triton(shape, False, tol)
+
+    @pytest.mark.parametrize("shape, tol", [((2, 4, 1024, 128, 128), 2e-3), ((8, 16, 4096, 128, 128), 5e-3)])
+    def test_fused_output_matches_triton(self, shape, tol):
+        _check_fused_matches_triton(shape, False, tol)
 
     def test_bwd_per_segment(self):
         _check_bwd_matches_triton((2, 4, 1024, 128, 128), False, 2e-3, segments=4)

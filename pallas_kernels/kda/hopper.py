@@ -63,24 +63,9 @@ def is_hopper(device=None) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = False):
-    """Forward serial state pass on Hopper (module docstring); chunk 64, V blocks of 64.
-
-    Args:
-      kd: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G}).
-      w: [B, H, T, K] fp32 (intra_fwd's W; rounded to bf16 in the kernel as the bf16-operand dot of
-        fwd.state_fwd_vp does).
-      u: [B, H, T, V] fp32 (U).
-      gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay in (0, 1], not a log).
-      h0: [B, H, V, K] fp32 initial state, TRANSPOSED (as fwd.state_fwd_vp), or [B, H, NS, V, K]: the
-        start of each of NS segments of T / NS tokens (the sequence split's starts; NS divides T / 64).
-      interpret: True: Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams()), or the
-        InterpretGPUParams to run with (e.g. detect_races=True).
-    Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, V, K] bf16 (the transposed state entering each
-      chunk); ht fp32 of h0's shape (the state after the last chunk of the sequence / each segment).
-    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, kd not
-      bf16, w / u / gl / h0 not fp32, NS not dividing T / 64, or shapes that do not match.
-    """
+def _check_forward_args(kd, w, u, gl, h0):
+    """Validates state_fwd's / state_output_fwd's common arguments (see state_fwd's Raises); returns
+    (B, H, T, K, V, NT, per_segment, NS)."""
     B, H, T, K = kd.shape
     V = u.shape[-1]
     if T % CHUNK:
@@ -103,6 +88,28 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
                          "h0 [B, H, V, K] or [B, H, NS, V, K])")
     if NS < 1 or NT % NS:
         raise ValueError(f"h0's segment count NS = {NS} must divide the chunk count T / 64 = {NT}")
+    return B, H, T, K, V, NT, per_segment, NS
+
+
+def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = False):
+    """Forward serial state pass on Hopper (module docstring); chunk 64, V blocks of 64.
+
+    Args:
+      kd: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G}).
+      w: [B, H, T, K] fp32 (intra_fwd's W; rounded to bf16 in the kernel as the bf16-operand dot of
+        fwd.state_fwd_vp does).
+      u: [B, H, T, V] fp32 (U).
+      gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay in (0, 1], not a log).
+      h0: [B, H, V, K] fp32 initial state, TRANSPOSED (as fwd.state_fwd_vp), or [B, H, NS, V, K]: the
+        start of each of NS segments of T / NS tokens (the sequence split's starts; NS divides T / 64).
+      interpret: True: Mosaic GPU interpret mode (CPU; plgpu.InterpretGPUParams()), or the
+        InterpretGPUParams to run with (e.g. detect_races=True).
+    Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, V, K] bf16 (the transposed state entering each
+      chunk); ht fp32 of h0's shape (the state after the last chunk of the sequence / each segment).
+    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, kd not
+      bf16, w / u / gl / h0 not fp32, NS not dividing T / 64, or shapes that do not match.
+    """
+    B, H, T, K, V, NT, per_segment, NS = _check_forward_args(kd, w, u, gl, h0)
     C, BV, L = CHUNK, BLOCK_V, NT // NS
     BH = B * H
 
@@ -175,6 +182,129 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
     vp, h, ht = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(h0s))
     ht = ht.reshape(B, H, NS, V, K)
     return vp.reshape(B, H, T, V), h.reshape(B, H, NT, V, K), (ht if per_segment else ht[:, :, 0])
+
+
+def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states: bool = True,
+                     interpret: bool | plgpu.InterpretGPUParams = False):
+    """The forward state pass with the output fused in (jla's and fla's fused forward; round 11 of
+    kda_pallas_notes.md): per chunk, besides state_fwd's two dots, o = Qg S + Aqk V' (two more
+    wgmma into one accumulator, the same bf16 operands as fwd.output_fwd with
+    common.BF16_OPERANDS) is stored token-major, so V' never goes to HBM and, with
+    write_states=False (forward-only calls), neither do the per-chunk states.
+
+    Args: kd, w, u, gl, h0 as state_fwd; qg [B, H, T, K] bf16 (intra_fwd's Qg = scale q e^{G});
+      aqk [B, H, T, 64] bf16 (lower-triangular per chunk); out_dtype: o's dtype (bf16);
+      write_states: also write h; interpret: as state_fwd.
+    Returns: o [B, T, H, V] out_dtype (the user's token-major layout); h [B, H, T / 64, V, K] bf16 or
+      None (write_states=False); ht as state_fwd.
+    Raises: ValueError as state_fwd, and for qg / aqk not bf16 of shapes [B, H, T, K] / [B, H, T, 64].
+    SMEM: W's fp32 buffer is single (refilled after the fence that follows its rounding, as state_bwd)
+    and also stages h0 and ht: 193 KiB at K = 128.
+    """
+    B, H, T, K, V, NT, per_segment, NS = _check_forward_args(kd, w, u, gl, h0)
+    if qg.dtype != BF16 or aqk.dtype != BF16 or qg.shape != kd.shape or aqk.shape != (B, H, T, CHUNK):
+        raise ValueError(f"qg must be bf16 [B, H, T, K] = {kd.shape} and aqk bf16 [B, H, T, {CHUNK}]; got "
+                         f"qg {qg.dtype} {qg.shape}, aqk {aqk.dtype} {aqk.shape}")
+    C, BV, L = CHUNK, BLOCK_V, NT // NS
+    BH = B * H
+
+    def body(kd_ref, w_ref, u_ref, gl_ref, qg_ref, aqk_ref, h0_ref, o_ref, *rest):
+        if write_states:
+            h_ref, ht_ref, *scratch = rest
+        else:
+            ht_ref, *scratch = rest
+        kd_s, u_s, gl_s, qg_s, aqk_s, w32_s, w_s, st_b, vn_s, o_s, bar_in, bar_w, bar_h0 = scratch
+        bh, iv, sg = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("s")
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        vrows = pl.ds(iv * BV, BV)
+
+        def load(j, slot):                                # chunk j of this segment into buffer `slot`
+            c = sg * L + j
+            tok = pl.ds(c * C, C)
+            for src, dst in ((kd_ref.at[bh, tok], kd_s.at[slot]), (u_ref.at[bh, tok, vrows], u_s.at[slot]),
+                             (gl_ref.at[bh, c], gl_s.at[slot]), (qg_ref.at[bh, tok], qg_s.at[slot]),
+                             (aqk_ref.at[bh, tok], aqk_s.at[slot])):
+                plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
+
+        def load_w(j):
+            plgpu.copy_gmem_to_smem(w_ref.at[bh, pl.ds((sg * L + j) * C, C)], w32_s, bar_w.at[0])
+
+        load(0, 0)
+        plgpu.copy_gmem_to_smem(h0_ref.at[bh, sg, vrows], w32_s, bar_h0.at[0])   # h0 staged in W's buffer
+        plgpu.barrier_wait(bar_h0.at[0])
+        St0 = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()                                # the read above before W's load overwrites it
+        load_w(0)
+
+        def step(j, St):
+            slot = lax.rem(j, 2)
+            c = sg * L + j
+            rows = pl.ds(c * C, C)
+
+            @pl.when(j + 1 < L)
+            def _():             # the other buffers' last reads (chunk j - 1) are fenced or waited on
+                load(j + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar_in.at[slot])
+            plgpu.barrier_wait(bar_w.at[0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read st_b, o_s
+            w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
+            decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+            st_b[...] = St.astype(BF16)
+            plgpu.commit_smem()                   # also orders the reads of w32_s, gl_s before reloads
+
+            @pl.when(j + 1 < L)
+            def _():
+                load_w(j + 1)
+
+            if write_states:
+                plgpu.copy_smem_to_gmem(st_b, h_ref.at[bh, c, vrows])
+
+            def recall(acc):                                   # W [C, K] @ S [K, BV]
+                plgpu.wgmma(acc, w_s, st_b.T)
+                return acc[...]
+            vn = (plgpu.load(u_s.at[slot], (), layout=plgpu.Layout.WGMMA)
+                  - pl.run_scoped(recall, plgpu.ACC((C, BV), F32)))
+            vn_s[...] = vn.astype(BF16)
+            plgpu.commit_smem()
+
+            def output_and_update(o_acc, s_acc):
+                plgpu.wgmma(o_acc, qg_s.at[slot], st_b.T)     # Qg [C, K] @ S [K, BV]
+                plgpu.wgmma(o_acc, aqk_s.at[slot], vn_s)      # + Aqk [C, C] @ V' [C, BV]
+                plgpu.wgmma(s_acc, vn_s.T, kd_s.at[slot])     # V'^T [BV, C] @ Kd [C, K]
+                return o_acc[...], s_acc[...]
+            o, upd = pl.run_scoped(output_and_update, plgpu.ACC((C, BV), F32), plgpu.ACC((BV, K), F32))
+            o_s[...] = o.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, rows, hh, vrows])
+            return St * decay[None, :] + upd
+
+        St = lax.fori_loop(0, L, step, St0)
+        w32_s[...] = St                   # W's buffer: its last TMA load was waited on, its reads fenced
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(w32_s, ht_ref.at[bh, sg, vrows])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype)]
+    if write_states:
+        out_type.append(jax.ShapeDtypeStruct((BH, NT, V, K), BF16))
+    out_type.append(jax.ShapeDtypeStruct((BH, NS, V, K), F32))
+    out_operand = plgpu.SMEM((C, BV), out_dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                             plgpu.SwizzleTransform(128)))
+    kernel = plgpu.kernel(
+        body, out_type=tuple(out_type),
+        scratch_types=[_operand((2, C, K)), plgpu.SMEM((2, C, BV), F32), plgpu.SMEM((2, K), F32),
+                       _operand((2, C, K)), _operand((2, C, C)), plgpu.SMEM((C, K), F32), _operand((C, K)),
+                       _operand((BV, K)), _operand((C, BV)), out_operand,
+                       plgpu.Barrier(num_arrivals=5, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+    flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
+    h0s = h0 if per_segment else h0[:, :, None]
+    outs = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(qg), flat(aqk), flat(h0s))
+    o, ht = outs[0], outs[-1].reshape(B, H, NS, V, K)
+    h = outs[1].reshape(B, H, NT, V, K) if write_states else None
+    return o, h, (ht if per_segment else ht[:, :, 0])
 
 
 def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretGPUParams = False):

@@ -198,6 +198,10 @@ class KernelOptions:
       interpret mode (which then runs it in Mosaic GPU interpret mode, so CPU tests cover what the
       H200 runs). Elsewhere (other GPUs, fp32, small heads) the Triton pass runs; it is the
       same function, so no call is refused for this option.
+    hopper_fused_output (round 11 of kda_pallas_notes.md): where hopper_state_fwd applies (and o
+      is bf16), the Hopper pass also forms o = Qg S + Aqk V' per chunk (hopper.state_output_fwd)
+      instead of writing V' for fwd.output_fwd; forward-only calls then write no per-chunk states.
+      Same operands and rounding (fp32 accumulation order aside).
     hopper_state_bwd (round 9 of kda_pallas_notes.md): the backward's serial state pass
       (bwd.state_bwd with bf16 operands) as the Mosaic GPU kernel hopper.state_bwd, under the same
       conditions with bf16_state_bwd_dots in place of bf16_state_dots (and a bf16 output gradient).
@@ -215,6 +219,7 @@ class KernelOptions:
     bf16_state_bwd_dots: bool = True
     hopper_state_fwd: bool = True
     hopper_state_bwd: bool = True
+    hopper_fused_output: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -222,7 +227,8 @@ class KernelOptions:
 ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf16_state_dots=False,
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
-                               bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False)
+                               bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
+                               hopper_fused_output=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -233,14 +239,15 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
 UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf16_state_dots=True,
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
-                                  bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True)
+                                  bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
+                                  hopper_fused_output=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
 # TestHopperStateFwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
-                     "hopper_state_bwd")
+                     "hopper_state_bwd", "hopper_fused_output")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -311,7 +318,8 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
                 state_dtype, dtype, options=KernelOptions()):
     """The forward's state pass and output: fwd.state_fwd over all chunks, or split into segments
     (split.py) when seg_chunks > 0; with options.parallel_output fwd.state_fwd_vp (or
-    hopper.state_fwd, see use_hopper_state_fwd) + fwd.output_fwd."""
+    hopper.state_fwd, see use_hopper_state_fwd) + fwd.output_fwd, or with hopper_fused_output the
+    Hopper pass with the output fused in (hopper.state_output_fwd; h only when save_states)."""
     kw = dict(chunk_size=chunk_size, block_v=block_v, interpret=interpret)
     bf16 = options.bf16_state_dots and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
     prec = common.BF16_OPERANDS if bf16 else common.mm_precision(dtype)
@@ -322,8 +330,14 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
                                      precision=common.exact_precision(dtype), **kw)
         starts, ht = split.segment_scan(h0, P, R, reverse=False, block_v=block_v,
                                         interpret=interpret, precision=common.exact_precision(dtype))
-    if options.parallel_output:
-        if use_hopper_state_fwd(kd, w, u, block_v, bf16, state_dtype, interpret, options):
+    hopper_fwd = options.parallel_output and use_hopper_state_fwd(kd, w, u, block_v, bf16, state_dtype,
+                                                                  interpret, options)
+    if hopper_fwd and options.hopper_fused_output and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16) \
+            and qg.dtype == aqk.dtype == jnp.bfloat16:
+        o, h, ht_pass = hopper.state_output_fwd(kd, w, u, gl, starts, qg, aqk, out_dtype=out_dtype,
+                                                write_states=save_states, interpret=interpret)
+    elif options.parallel_output:
+        if hopper_fwd:
             vp, h, ht_pass = hopper.state_fwd(kd, w, u, gl, starts, interpret=interpret)
         else:
             vp, h, ht_pass = fwd.state_fwd_vp(kd, w, u, gl, starts, precision=prec,
