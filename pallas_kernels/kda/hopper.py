@@ -184,6 +184,32 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
     return vp.reshape(B, H, T, V), h.reshape(B, H, NT, V, K), (ht if per_segment else ht[:, :, 0])
 
 
+def _begin_chunk(j, L, slot, state, state_b, *, load, load_w, bar_in, bar_w, w32_s, w_s, gl_s):
+    """The start of serial step j (of L) shared by state_output_fwd and state_bwd, whose W buffer is
+    single: issue the next chunk's loads into the other buffer `1 - slot` (its last reads, at step
+    j - 1, are fenced or waited on), wait for this chunk's loads and W, wait until step j - 1's
+    stores have read the SMEM they store from, round W into its bf16 operand buffer, read e^{G_last},
+    store the carried (transposed) state as the bf16 operand `state_b`, fence (which also orders the
+    reads of W's buffer and e^{G_last} before the loads that overwrite them), then refill W's buffer
+    with the next chunk's. Returns the decay [K] in the WGMMA column layout."""
+    @pl.when(j + 1 < L)
+    def _():
+        load(j + 1, 1 - slot)
+
+    plgpu.barrier_wait(bar_in.at[slot])
+    plgpu.barrier_wait(bar_w.at[0])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
+    decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    state_b[...] = state.astype(BF16)
+    plgpu.commit_smem()
+
+    @pl.when(j + 1 < L)
+    def _():
+        load_w(j + 1)
+    return decay
+
+
 def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states: bool = True,
                      interpret: bool | plgpu.InterpretGPUParams = False):
     """The forward state pass with the output fused in (jla's and fla's fused forward; round 11 of
@@ -241,22 +267,8 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
             c = sg * L + j
             rows = pl.ds(c * C, C)
 
-            @pl.when(j + 1 < L)
-            def _():             # the other buffers' last reads (chunk j - 1) are fenced or waited on
-                load(j + 1, 1 - slot)
-
-            plgpu.barrier_wait(bar_in.at[slot])
-            plgpu.barrier_wait(bar_w.at[0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read st_b, o_s
-            w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
-            decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-            st_b[...] = St.astype(BF16)
-            plgpu.commit_smem()                   # also orders the reads of w32_s, gl_s before reloads
-
-            @pl.when(j + 1 < L)
-            def _():
-                load_w(j + 1)
-
+            decay = _begin_chunk(j, L, slot, St, st_b, load=load, load_w=load_w, bar_in=bar_in,
+                                 bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
             if write_states:
                 plgpu.copy_smem_to_gmem(st_b, h_ref.at[bh, c, vrows])
 
@@ -381,22 +393,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
             slot = lax.rem(j, 2)
             c = chunk(j)
 
-            @pl.when(j + 1 < L)
-            def _():             # the other buffers' last reads (chunk j - 1) are fenced or waited on
-                load(j + 1, 1 - slot)
-
-            plgpu.barrier_wait(bar_in.at[slot])
-            plgpu.barrier_wait(bar_w.at[0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read ds_b, dv_s
-            w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
-            decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_b[...] = dSt.astype(BF16)
-            plgpu.commit_smem()                   # also orders the reads of w32_s, gl_s before reloads
-
-            @pl.when(j + 1 < L)
-            def _():
-                load_w(j + 1)
-
+            decay = _begin_chunk(j, L, slot, dSt, ds_b, load=load, load_w=load_w, bar_in=bar_in,
+                                 bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
             plgpu.copy_smem_to_gmem(ds_b, dh_ref.at[bh, c, vcols])
 
             def dvp_dot(acc):                     # Aqk^T dO + Kd dS: [C, C] [C, BV] + [C, K] [K, BV]
