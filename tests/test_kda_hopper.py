@@ -1,8 +1,9 @@
-"""The Hopper (Mosaic GPU) serial state passes, pallas_kernels.kda.hopper.state_fwd / state_bwd, and
-their dispatch (ops.KernelOptions.hopper_state_fwd / hopper_state_bwd).
+"""The Hopper (Mosaic GPU) serial state passes, pallas_kernels.kda.hopper.state_fwd /
+state_output_fwd / state_bwd, and their dispatch (ops.KernelOptions.hopper_state_fwd /
+hopper_fused_output / hopper_state_bwd).
 
-Each is held to the Triton kernel it replaces (fwd.state_fwd_vp / bwd.state_bwd with bf16 operands,
-the default op's rounding, same layouts) in Mosaic GPU interpret mode on CPU, per segment too, with
+Each is held to the Triton kernels it replaces (fwd.state_fwd_vp (+ fwd.output_fwd) / bwd.state_bwd
+with bf16 operands, the default op's rounding, same layouts) in Mosaic GPU interpret mode on CPU, per segment too, with
 the interpreter's race detector, lowered for CUDA on CPU, bad input refused; through the op against
 the options off; the `gpu` classes run them compiled on the H200 against the compiled Triton kernels.
 """
@@ -178,6 +179,8 @@ class TestHopperStateOutputFwd:
             hopper.state_output_fwd(kd, w, u, gl, h0, kd, aqk[..., :32])
         with pytest.raises(ValueError, match="fp32"):                                # the shared checks
             hopper.state_output_fwd(kd, w.astype(jnp.bfloat16), u, gl, h0, kd, aqk)
+        with pytest.raises(ValueError, match="out_dtype"):
+            hopper.state_output_fwd(kd, w, u, gl, h0, kd, aqk, out_dtype=jnp.float32)
 
     @pytest.mark.parametrize("K, write_states", [(64, True), (128, True), (128, False)])
     def test_lowers_for_cuda(self, K, write_states):
@@ -313,8 +316,9 @@ class TestHopperStateOptions:
                 assert_rms_close(f"{field} off: {name}", g0[name], grads[name], tol)
 
     def test_not_used_where_it_does_not_apply(self, monkeypatch):
-        # Gradients traced only: fp32 inputs, K = 32 (padded 32), V = 32 and a compiled call on this
-        # CPU host (not a Hopper GPU) take the Triton passes; the bf16 K = V = 64 interpret call
+        monkeypatch.setattr(hopper, "is_hopper", lambda device=None: False)       # any host, an H200 too
+        # Gradients traced only: fp32 inputs, K = 32 (padded 32), V = 32 and a compiled call on a
+        # host that is not a Hopper GPU take the Triton passes; the bf16 K = V = 64 interpret call
         # takes both Hopper passes.
         calls = self._count_calls(monkeypatch)
         sd = jax.ShapeDtypeStruct
@@ -331,17 +335,17 @@ class TestHopperStateOptions:
         assert calls == []
         trace(64, 64, jnp.bfloat16, True)
         assert [name for name, _ in calls] == ["state_output_fwd", "state_bwd"]
-        assert not hopper.is_hopper()                       # this CPU host
 
     def test_automatic_split_with_hopper_passes(self, monkeypatch):
         # With both passes on Hopper the automatic sequence split starts below
         # SPLIT_TARGET_PROGRAMS_HOPPER programs instead of SPLIT_TARGET_PROGRAMS (measured, round 10).
-        # Traced only, B * H * V-blocks = 32 programs: one serial pass with the Hopper passes, the
-        # split (transitions) with either option off or on a non-Hopper compiled call.
+        # Traced only (interpret mode), B * H * V-blocks = 32 programs: one serial pass with the
+        # Hopper passes, the split (transitions) with either Hopper option off.
         from pallas_kernels.kda import split
+        monkeypatch.setattr(hopper, "is_hopper", lambda device=None: False)       # any host, an H200 too
         assert ops.hopper_serial_passes(jnp.bfloat16, 128, 128, 64, True, ops.KernelOptions())
         assert not ops.hopper_serial_passes(jnp.float32, 128, 128, 64, True, ops.KernelOptions())
-        assert not ops.hopper_serial_passes(jnp.bfloat16, 128, 128, 64, False, ops.KernelOptions())  # CPU host
+        assert not ops.hopper_serial_passes(jnp.bfloat16, 128, 128, 64, False, ops.KernelOptions())  # compiled
         assert ops.split_chunks(256, None, 64, ops.SPLIT_TARGET_PROGRAMS_HOPPER) == 0
         assert ops.split_chunks(256, None, 8, ops.SPLIT_TARGET_PROGRAMS_HOPPER) == 64     # 4 segments
         assert ops.split_chunks(256, None, 64) == 64                                    # the Triton rule
@@ -358,16 +362,16 @@ class TestHopperStateOptions:
                 q, q, q, g, beta)
             assert bool(transitions) == split_expected, (field, split_expected)
 
-    def test_op_lowers_for_cuda_on_hopper(self, monkeypatch):
+    def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU the op's gradient lowers with the two Mosaic GPU
         # state passes in place of three Triton kernels (state_fwd_vp + output_fwd, state_bwd);
         # with the three options off, without them.
         from tests.test_kda_pallas import lowered_grad_text
-        monkeypatch.setattr(hopper, "is_hopper", lambda device=None: True)
-        on = lowered_grad_text(ops.KernelOptions())
+        on = lowered_grad_text(ops.KernelOptions(), hopper_passes=True)
         off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_state_fwd=False,
-                                                    hopper_state_bwd=False, hopper_fused_output=False))
-        assert on.count("mosaic_gpu") >= 2 and "mosaic_gpu" not in off
+                                                    hopper_state_bwd=False, hopper_fused_output=False),
+                                hopper_passes=True)
+        assert on.count("custom_call @mosaic_gpu") == 2 and "mosaic_gpu" not in off
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 3
 
 

@@ -408,16 +408,25 @@ class TestSupported:
         np.testing.assert_array_equal(o_default, o_chunked)
 
 
-def _fake_h200():
-    """A context manager that makes the Pallas Triton lowering target an H200 (sm_90) on any host."""
+def _fake_h200(hopper_passes: bool = False):
+    """A context manager that makes the Pallas Triton lowering target an H200 (sm_90) on any host,
+    and the op's Hopper dispatch (pallas_kernels.kda.hopper.is_hopper) answer `hopper_passes`
+    whatever the host (False: the Triton kernels only, so a lowering test means the same on a CPU
+    host and on an H200)."""
+    import contextlib
     from unittest import mock
+
+    from pallas_kernels.kda import hopper
     try:
         from jax._src.pallas.triton import gpu_info
         info = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0",
                                 compute_capability=90)
     except (ImportError, AttributeError, TypeError) as e:   # private API moved: cannot fake
         pytest.skip(f"cannot fake the GPU for the Triton lowering: {e!r}")
-    return mock.patch.object(gpu_info, "get_gpu_info", lambda: info)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: info))
+    stack.enter_context(mock.patch.object(hopper, "is_hopper", lambda device=None: hopper_passes))
+    return stack
 
 
 def pallas_outputs(x, do, dht, options, *, lower_bound=-5.0, segment_ids=None, sequence_split=None):
@@ -443,16 +452,16 @@ def option_ab_inputs(seed, dtype, *, segments: bool, lower_bound, V, B=2, T=250,
     return x, seg, do, dht
 
 
-def lowered_grad_text(options, B=1, T=256, H=2, K=128):
+def lowered_grad_text(options, B=1, T=256, H=2, K=128, hopper_passes=False):
     """The gradient of sum(kda_pallas(...)) (bf16, lower_bound -5, no sequence split) lowered for a
-    faked H200, as text."""
+    faked H200 (with or without the Hopper state passes: _fake_h200), as text."""
     q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
     beta = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)
 
     def loss(*a):
         return jnp.sum(ops.kda_pallas(*a, lower_bound=-5.0, sequence_split=0, options=options)[0].astype(jnp.float32))
-    with _fake_h200():
+    with _fake_h200(hopper_passes):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, g, beta).lower(
             lowering_platforms=("cuda",)).as_text()
 
@@ -678,18 +687,19 @@ class TestTileStateBwd:
 
 class TestBf16StateBwdDots:
     """ops.KernelOptions.bf16_state_bwd_dots: bf16 operands in the backward state pass's four dots
-    (bf16 inputs only). Rounding only: o and ht untouched, gradients within bf16 rounding of the
-    default; fp32 inputs and unbounded gates ignore / accept it; it reaches the lowered kernel."""
+    (bf16 inputs only; on by default since round 6). Rounding only: o and ht untouched, gradients
+    within bf16 rounding of the fp32-operand pass (the option off); fp32 inputs and unbounded gates
+    ignore / accept it; it reaches the lowered kernel."""
 
     @pytest.mark.parametrize("segments, lower_bound, sequence_split", [(True, -5.0, 0), (False, None, 1)])
-    def test_op_matches_default(self, segments, lower_bound, sequence_split):
+    def test_op_matches_fp32_operand_pass(self, segments, lower_bound, sequence_split):
         # bf16: bounded gates with segment_ids in one serial pass, and unbounded (softplus) gates
         # through the sequence split (segments of one chunk: the exact-precision transitions, then
-        # the bf16-operand state_bwd per segment). Measured (interpret, vs the default): o, ht
+        # the bf16-operand state_bwd per segment). Measured (interpret, on vs off): o, ht
         # bit-identical; bounded: dq identical (it reads the forward states only), dk 1.9e-3,
         # dv 2.1e-3, dg 1.9e-3, dbeta 2.5e-3, dh0 9.4e-4; unbounded + split: dq identical, dk 6.1e-4,
         # dv 1.0e-3, dg 5.5e-4, dbeta 1.5e-3, dh0 4.4e-4 (bf16 rounding of dS, dV' and W per dot; the
-        # default's own error vs the fp32 recurrence is ~3e-3).
+        # op's own error vs the fp32 recurrence is ~3e-3).
         x, seg, do, dht = option_ab_inputs(60, "bfloat16", segments=segments, lower_bound=lower_bound, V=64)
         on = ops.KernelOptions()                                   # the default since round 6
         base = dataclasses.replace(on, bf16_state_bwd_dots=False)

@@ -12,6 +12,11 @@ bf16_state_dots). W arrives in fp32 (the op's saved factor) and is rounded to bf
 The next chunk's TMA loads (Kd, W, U, e^{G_last}) are issued before this chunk's dots (two buffers
 per input), so only the first chunk's load is exposed.
 
+`state_output_fwd`: state_fwd with the output fused in (the default forward on Hopper,
+ops.KernelOptions.hopper_fused_output): per chunk also o = Qg S + Aqk V' (two more wgmma into one
+accumulator), stored bf16 token-major; V' stays in SMEM and the per-chunk states are written only
+when asked (the differentiated forward needs them).
+
 `state_bwd`: the backward's reverse serial pass (bwd.state_bwd's math and layouts, fla's
 chunk_gated_delta_rule_bwd_dhu), one warpgroup per (batch x head, V block, segment), dS^T [BV, K] in
 fp32 registers. Per chunk, last to first:
@@ -25,8 +30,16 @@ W is rounded into the bf16 operand buffer.
 Layouts: the same as fwd.state_fwd_vp (the transposed states [V, K] of the Triton kernels), so the
 op can call either: h [B, H, NT, V, K], h0 / ht [B, H, V, K] or per segment [B, H, NS, V, K].
 
-Measured (H200, 2026-12-01, kda_pallas_notes.md rounds 7 to 9). Dispatch: ops.KernelOptions
-hopper_state_fwd and hopper_state_bwd.
+Synchronisation: each step waits for the previous step's TMA stores to have read SMEM (a wait that
+ends in a warpgroup barrier) before it issues the next chunk's loads into the buffers the previous
+step's wgmma read, and fences (`commit_smem`, a proxy fence plus a warpgroup barrier) between every
+generic SMEM write and the TMA store or wgmma that reads it, and between every generic read of a
+loaded buffer and the load that refills it. Tested with the interpreter's race detector, which runs
+wgmma synchronously (so the first rule is argued, not tested).
+
+Measured (H200, 2026-12-01, kda_pallas_notes.md rounds 7 to 11; the load-after-barrier order of
+the first rule came after those runs, see round 12). Dispatch: ops.KernelOptions hopper_state_fwd,
+hopper_fused_output and hopper_state_bwd.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`; Mosaic GPU API of jax 0.11.2
 (jax.experimental.pallas.mosaic_gpu).
 """
@@ -133,12 +146,15 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
             slot = lax.rem(j, 2)
             c = sg * L + j
 
+            # chunk j - 1's stores have read st_b, vp_s; the wait ends in a warpgroup barrier, after
+            # which every warp's wgmma of chunk j - 1 has finished reading the other buffer
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
             @pl.when(j + 1 < L)
             def _():             # the other buffer's last reads (chunk j - 1) are fenced or waited on
                 load(j + 1, 1 - slot)
 
             plgpu.barrier_wait(bar_in.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # chunk j - 1's stores have read st_b, vp_s
             w_s[...] = plgpu.load(w32_s.at[slot], (), layout=plgpu.Layout.WGMMA).astype(BF16)
             st_b[...] = St.astype(BF16)
             plgpu.commit_smem()
@@ -191,14 +207,21 @@ def _begin_chunk(j, L, slot, state, state_b, *, load, load_w, bar_in, bar_w, w32
     stores have read the SMEM they store from, round W into its bf16 operand buffer, read e^{G_last},
     store the carried (transposed) state as the bf16 operand `state_b`, fence (which also orders the
     reads of W's buffer and e^{G_last} before the loads that overwrite them), then refill W's buffer
-    with the next chunk's. Returns the decay [K] in the WGMMA column layout."""
+    with the next chunk's. Returns the decay [K] in the WGMMA column layout.
+
+    Order: the next chunk's loads are issued only after the wait for step j - 1's stores, whose
+    lowering ends in a warpgroup barrier: a warp's wgmma wait covers only its own part of the
+    warpgroup's wgmma, so without a barrier the elected thread's TMA could overwrite an operand
+    buffer another warp's part of step j - 1's last wgmma still reads (the interpreter runs wgmma
+    synchronously and cannot show this; found in review, 2026-12-01)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     @pl.when(j + 1 < L)
     def _():
         load(j + 1, 1 - slot)
 
     plgpu.barrier_wait(bar_in.at[slot])
     plgpu.barrier_wait(bar_w.at[0])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
     decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     state_b[...] = state.astype(BF16)
@@ -223,11 +246,14 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
       write_states: also write h; interpret: as state_fwd.
     Returns: o [B, T, H, V] out_dtype (the user's token-major layout); h [B, H, T / 64, V, K] bf16 or
       None (write_states=False); ht as state_fwd.
-    Raises: ValueError as state_fwd, and for qg / aqk not bf16 of shapes [B, H, T, K] / [B, H, T, 64].
+    Raises: ValueError as state_fwd, for qg / aqk not bf16 of shapes [B, H, T, K] / [B, H, T, 64], and
+      for out_dtype not bf16.
     SMEM: W's fp32 buffer is single (refilled after the fence that follows its rounding, as state_bwd)
     and also stages h0 and ht: 193 KiB at K = 128.
     """
     B, H, T, K, V, NT, per_segment, NS = _check_forward_args(kd, w, u, gl, h0)
+    if jnp.dtype(out_dtype) != jnp.dtype(BF16):
+        raise ValueError(f"out_dtype must be bf16 (o is staged in a 128-byte-swizzled bf16 buffer); got {out_dtype}")
     if qg.dtype != BF16 or aqk.dtype != BF16 or qg.shape != kd.shape or aqk.shape != (B, H, T, CHUNK):
         raise ValueError(f"qg must be bf16 [B, H, T, K] = {kd.shape} and aqk bf16 [B, H, T, {CHUNK}]; got "
                          f"qg {qg.dtype} {qg.shape}, aqk {aqk.dtype} {aqk.shape}")

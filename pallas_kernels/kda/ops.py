@@ -6,7 +6,7 @@ over (batch, head, V-block)), or, when that leaves the GPU under-filled, the exa
 of `split.py` (per-segment transitions, a short scan over segments, then `fwd.state_fwd` per
 segment in parallel). With the default parallel_output the serial pass writes V' and the per-chunk
 states and `fwd.output_fwd` forms o in parallel over chunks (so forward-only calls write the states
-too). Backward: reuses what the
+too; on Hopper the fused pass below forms o itself and forward-only calls write no states). Backward: reuses what the
 differentiated forward saved (chunk factors, A and M, per-chunk states; nothing is recomputed);
 `bwd.state_bwd` (reverse serial pass, split the same way when the forward's is) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
@@ -142,7 +142,9 @@ class KernelOptions:
     experiments/results/kda_pallas_notes.md). Defaults: the seven round-3 fields on, chosen by the
     H200 A/B run of 2026-12-01 (experiments/results/kda_ab_round3_h200.json; 8x4096x16x128 bf16,
     fwd / fwd+bwd: 2.70 / 13.16 ms all on vs 6.32 / 35.28 ms all off, errors vs the fp32 recurrence
-    within fla's tolerances), pallas_cumsum (round 5) and bf16_state_bwd_dots (round 6) on, tile_state_bwd off.
+    within fla's tolerances), pallas_cumsum (round 5), bf16_state_bwd_dots (round 6) and the three
+    Hopper passes (hopper_state_fwd, hopper_fused_output, hopper_state_bwd: rounds 8, 11, 9) on,
+    tile_state_bwd off.
     ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
 
     split_intra_bwd: the intra-chunk backward as two kernels (bwd.intra_bwd_split) instead of one.
@@ -203,8 +205,9 @@ class KernelOptions:
       instead of writing V' for fwd.output_fwd; forward-only calls then write no per-chunk states.
       Same operands and rounding (fp32 accumulation order aside).
     hopper_state_bwd (round 9 of kda_pallas_notes.md): the backward's serial state pass
-      (bwd.state_bwd with bf16 operands) as the Mosaic GPU kernel hopper.state_bwd, under the same
-      conditions with bf16_state_bwd_dots in place of bf16_state_dots (and a bf16 output gradient).
+      (bwd.state_bwd with bf16 operands) as the Mosaic GPU kernel hopper.state_bwd, under
+      hopper_state_fwd's conditions with bf16_state_bwd_dots in place of bf16_state_dots and
+      parallel_output (and a bf16 output gradient).
     """
 
     split_intra_bwd: bool = True
@@ -245,7 +248,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
 # backward state pass's dot precision, the Hopper state passes): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
-# TestHopperStateFwdOption).
+# test_kda_hopper.TestHopperStateOptions).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
                      "hopper_state_bwd", "hopper_fused_output")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
@@ -405,7 +408,8 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
     unbounded: no lower_bound (exact diagonal tiles; options in UNBOUNDED_OPTION_SETS).
 
     Forward-only calls land here (not in _core_fwd): the per-chunk states are not written (unless
-    options.parallel_output, whose output kernel reads them).
+    options.parallel_output sends them to fwd.output_fwd; the fused Hopper pass,
+    hopper.state_output_fwd, does not write them).
     """
     if options.xla_gate_cumsum:
         g = _gate_cumsum(g, chunk_size, options, interpret)
