@@ -76,6 +76,15 @@ def is_hopper(device=None) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def _store_final(state, buf, dst):
+    """A kernel's last step: the fp32 state [BV, K] from registers through the SMEM buffer `buf`
+    (free by then) to its GMEM slice `dst`, waiting for the store to finish."""
+    buf[...] = state
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _check_forward_args(kd, w, u, gl, h0):
     """Validates state_fwd's / state_output_fwd's common arguments (see state_fwd's Raises); returns
     (B, H, T, K, V, NT, per_segment, NS)."""
@@ -179,10 +188,7 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
             return St * decay[None, :] + pl.run_scoped(update, plgpu.ACC((BV, K), F32))
 
         St = lax.fori_loop(0, L, step, plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA))
-        st_s[...] = St                    # st_s's only other use, h0's load, was waited on above
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, ht_ref.at[bh, sg, vrows])
-        plgpu.wait_smem_to_gmem(0)
+        _store_final(St, st_s, ht_ref.at[bh, sg, vrows])   # st_s's other use, h0's load, was waited on
 
     kernel = plgpu.kernel(
         body,
@@ -318,10 +324,8 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
             return St * decay[None, :] + upd
 
         St = lax.fori_loop(0, L, step, St0)
-        w32_s[...] = St                   # W's buffer: its last TMA load was waited on, its reads fenced
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w32_s, ht_ref.at[bh, sg, vrows])
-        plgpu.wait_smem_to_gmem(0)
+        # W's buffer: its last TMA load was waited on, its reads fenced
+        _store_final(St, w32_s, ht_ref.at[bh, sg, vrows])
 
     out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype)]
     if write_states:
@@ -440,10 +444,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
             return dSt * decay[None, :] + pl.run_scoped(ds_dot, plgpu.ACC((BV, K), F32))
 
         dSt = lax.fori_loop(0, L, step, plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA))
-        st_s[...] = dSt                   # st_s's only other use, dht's load, was waited on above
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, dh0_ref.at[bh, sg, vcols])
-        plgpu.wait_smem_to_gmem(0)
+        _store_final(dSt, st_s, dh0_ref.at[bh, sg, vcols])  # st_s's other use, dht's load, was waited on
 
     kernel = plgpu.kernel(
         body,

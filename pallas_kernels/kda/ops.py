@@ -11,8 +11,8 @@ differentiated forward saved (chunk factors, A and M, per-chunk states; nothing 
 `bwd.state_bwd` (reverse serial pass, split the same way when the forward's is) then
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
 give dq, dk, dv, dg, dbeta and dh0. On an sm_90 GPU (and in interpret mode) the two serial state
-passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd
-/ hopper_state_bwd, same math and layouts). The kernels read and write the user's token-major [B, T, H, .]
+passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd,
+hopper_fused_output (the forward pass forms o too) and hopper_state_bwd; same math and layouts). The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
 g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
@@ -353,11 +353,13 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
     return o, h, (ht if seg_chunks else ht_pass)
 
 
-def _hopper_applies(kd, w, V, block_v, bf16_dots, state_dtype, interpret) -> bool:
-    """The conditions shared by both Hopper state passes (KernelOptions.hopper_state_fwd / _bwd)."""
-    return (bf16_dots and kd.shape[-1] in hopper.HEAD_DIMS and block_v == hopper.BLOCK_V
-            and V % hopper.BLOCK_V == 0 and jnp.dtype(kd.dtype) == jnp.dtype(jnp.bfloat16)
-            and w.dtype == jnp.float32 and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
+def _hopper_applies(K, V, kd_dtype, w_dtype, block_v, bf16_dots, state_dtype, interpret) -> bool:
+    """The conditions shared by both Hopper state passes (KernelOptions.hopper_state_fwd / _bwd), on
+    the padded head dims K, V and the dtypes of the saved factors Kd, W and states."""
+    return (bf16_dots and K in hopper.HEAD_DIMS and block_v == hopper.BLOCK_V
+            and V % hopper.BLOCK_V == 0 and jnp.dtype(kd_dtype) == jnp.dtype(jnp.bfloat16)
+            and jnp.dtype(w_dtype) == jnp.dtype(jnp.float32)
+            and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
             and (bool(interpret) or hopper.is_hopper()))
 
 
@@ -365,19 +367,18 @@ def hopper_serial_passes(dtype, Kp: int, Vp: int, block_v: int, interpret, optio
     """Whether BOTH serial state passes of a kda_pallas call with inputs of `dtype` and padded head
     dims Kp, Vp run on Hopper (then the automatic sequence split uses SPLIT_TARGET_PROGRAMS_HOPPER).
     The same conditions as use_hopper_state_fwd and _state_bwd_pass, from the static call data."""
-    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-    kd_dtype, w_dtype = factor_dtypes(dtype)[1:3]
-    kd, w = jax.ShapeDtypeStruct((Kp,), kd_dtype), jax.ShapeDtypeStruct((Kp,), w_dtype)
-    return (options.parallel_output and options.hopper_state_fwd and options.hopper_state_bwd and bf16
-            and _hopper_applies(kd, w, Vp, block_v, options.bf16_state_dots, saved_state_dtype(dtype), interpret)
-            and _hopper_applies(kd, w, Vp, block_v, options.bf16_state_bwd_dots, saved_state_dtype(dtype),
-                                interpret))
+    static = (Kp, Vp, *factor_dtypes(dtype)[1:3], block_v)                   # K, V, Kd and W dtypes
+    return (options.parallel_output and options.hopper_state_fwd and options.hopper_state_bwd
+            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+            and _hopper_applies(*static, options.bf16_state_dots, saved_state_dtype(dtype), interpret)
+            and _hopper_applies(*static, options.bf16_state_bwd_dots, saved_state_dtype(dtype), interpret))
 
 
 def use_hopper_state_fwd(kd, w, u, block_v, bf16_dots, state_dtype, interpret, options) -> bool:
     """Whether the forward state pass runs hopper.state_fwd (KernelOptions.hopper_state_fwd)."""
     return (options.hopper_state_fwd and u.dtype == jnp.float32
-            and _hopper_applies(kd, w, u.shape[-1], block_v, bf16_dots, state_dtype, interpret))
+            and _hopper_applies(kd.shape[-1], u.shape[-1], kd.dtype, w.dtype, block_v, bf16_dots, state_dtype,
+                                interpret))
 
 
 def _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, *, bf16_dots, precision, state_dtype, chunk_size,
@@ -386,7 +387,8 @@ def _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, *, bf16_dots, precision, state_
     applies) or bwd.state_bwd; same outputs (du, dh, dh0)."""
     if (options.hopper_state_bwd and jnp.dtype(do.dtype) == jnp.dtype(jnp.bfloat16)
             and qg.dtype == aqk.dtype == kd.dtype
-            and _hopper_applies(kd, w, do.shape[-1], block_v, bf16_dots, state_dtype, interpret)):
+            and _hopper_applies(kd.shape[-1], do.shape[-1], kd.dtype, w.dtype, block_v, bf16_dots, state_dtype,
+                                interpret)):
         return hopper.state_bwd(qg, kd, w, aqk, gl, do, dht, interpret=interpret)
     return bwd.state_bwd(qg, kd, w, aqk, gl, do, dht, precision=precision, state_dtype=state_dtype,
                          chunk_size=chunk_size, block_v=block_v, interpret=interpret)
