@@ -63,7 +63,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, split
+from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, hopper_bwd, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -208,6 +208,14 @@ class KernelOptions:
       (bwd.state_bwd with bf16 operands) as the Mosaic GPU kernel hopper.state_bwd, under
       hopper_state_fwd's conditions with bf16_state_bwd_dots in place of bf16_state_dots and
       parallel_output (and a bf16 output gradient).
+    hopper_intra_bwd (round 13 of kda_pallas_notes.md): kernel a of the two-kernel intra-chunk
+      backward (bwd.intra_bwd_a: the state products, the W / U and (I + L)^-1 backward) as the
+      Mosaic GPU kernel hopper_bwd.intra_bwd_a (wgmma with the same bf16 operands, the dL products
+      split-bf16 as the Triton kernel's bf16x3 dots); kernel b is unchanged. Where it applies: bf16
+      inputs with bf16_intra_dots and xla_gate_cumsum, the two-kernel backward (split_intra_bwd or
+      compact_offdiag_bwd) without tile_state_bwd, no segment_ids, padded K and V in
+      hopper.HEAD_DIMS, bf16 saved states, compiled on a compute-capability-9.x GPU or in
+      interpret mode; elsewhere the Triton kernel a runs (same function, nothing refused).
     """
 
     split_intra_bwd: bool = True
@@ -223,6 +231,7 @@ class KernelOptions:
     hopper_state_fwd: bool = True
     hopper_state_bwd: bool = True
     hopper_fused_output: bool = True
+    hopper_intra_bwd: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -231,7 +240,7 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
-                               hopper_fused_output=False)
+                               hopper_fused_output=False, hopper_intra_bwd=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -243,14 +252,14 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
-                                  hopper_fused_output=True)
+                                  hopper_fused_output=True, hopper_intra_bwd=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
-# backward state pass's dot precision, the Hopper state passes): unbounded gates run with
+# backward state pass's dot precision, the Hopper state passes and kernel a): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
-# test_kda_hopper.TestHopperStateOptions).
+# test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
-                     "hopper_state_bwd", "hopper_fused_output")
+                     "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -394,6 +403,19 @@ def _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, *, bf16_dots, precision, state_
                          chunk_size=chunk_size, block_v=block_v, interpret=interpret)
 
 
+def use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options) -> bool:
+    """Whether kernel a of the intra-chunk backward runs hopper_bwd.intra_bwd_a
+    (KernelOptions.hopper_intra_bwd); q, v, do are the padded token-major inputs, h, du, w, u the
+    saved states, dV' and W, U, rel the document offsets (None without segment_ids)."""
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    return (options.hopper_intra_bwd and options.bf16_intra_dots and options.xla_gate_cumsum
+            and (options.split_intra_bwd or options.compact_offdiag_bwd) and not options.tile_state_bwd
+            and rel is None and q.shape[-1] in hopper.HEAD_DIMS and v.shape[-1] in hopper.HEAD_DIMS
+            and all(jnp.dtype(x.dtype) == bf16 for x in (q, v, do, h))
+            and all(jnp.dtype(x.dtype) == f32 for x in (du, w, u))
+            and (bool(interpret) or hopper.is_hopper()))
+
+
 def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
     """The chunk-local (reverse) cumsum that options.xla_gate_cumsum moves out of the intra kernels:
     XLA's (common.chunk_cumsum) or, with options.pallas_cumsum, the Pallas kernel's."""
@@ -459,15 +481,18 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
         dh0 = dh0[:, :, 0]
     else:
         du, dh, dh0 = _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, **pass_kw)
-    dq, dk, dv, dg, dbeta = bwd.intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
-                                          chunk_size=chunk_size, interpret=interpret,
-                                          split=options.split_intra_bwd,
-                                          bf16_dots=options.bf16_intra_dots,
-                                          gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                                          compact_offdiag=options.compact_offdiag_bwd,
-                                          unbounded=unbounded,
-                                          state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd
-                                                         else None))
+    if use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options):
+        dv, dbeta, *parts = hopper_bwd.intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
+                                                   interpret=interpret)
+        dq, dk, dg = bwd.intra_bwd_b(q, k, g, *parts, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                                     bf16_dots=True, gate_cumsum=True,
+                                     compact_offdiag=options.compact_offdiag_bwd, unbounded=unbounded)
+    else:
+        dq, dk, dv, dg, dbeta = bwd.intra_bwd(
+            q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size,
+            interpret=interpret, split=options.split_intra_bwd, bf16_dots=options.bf16_intra_dots,
+            gate_cumsum=options.xla_gate_cumsum, segments=rel, compact_offdiag=options.compact_offdiag_bwd,
+            unbounded=unbounded, state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd else None))
     if options.xla_gate_cumsum:
         dg = _gate_cumsum(dg, chunk_size, options, interpret, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
