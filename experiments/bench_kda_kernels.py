@@ -277,7 +277,7 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
                   "state_fwd_hopper": ()}
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
-# bf16_state_bwd_dots and the three hopper options on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
+# bf16_state_bwd_dots and the hopper options but hopper_score_bwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
 # over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01
 # 03:00 UTC (kda_ab_round3_h200.json included) wrote "base" for the then-default all-off kernels,

@@ -20,10 +20,11 @@ I/O: the dot operands that are bf16 in HBM (the states, dO) arrive by TMA; the f
 A) and every elementwise input (q, k, v, G, beta, U, M) are read straight from HBM into registers in
 the wgmma layout (fp32 operands are rounded there and stored as bf16 operands); the outputs are
 written straight from registers. SMEM: 176 KiB at K = V = 128 (one CTA per SM). Measured on the H200
-(round 13 of kda_pallas_notes.md): op fwd+bwd 11.11 -> 8.22 ms at 8x4096x16x128 (kernel a ~6.1 -> ~3.3 ms,
-latency-bound: four warps per SM).
+(round 13 of kda_pallas_notes.md): op fwd+bwd 11.11 -> 8.22 ms at 8x4096x16x128; kernel a itself
+~3.3 ms against the Triton kernel's 6.09 (inferred from the profile: the three Mosaic GPU kernels
+together minus the two state passes' round-12 time), probably latency-bound (four warps per SM).
 
-Dispatch: ops.KernelOptions.hopper_intra_bwd (bf16 inputs, K and V in HEAD_DIMS, no segment_ids).
+Dispatch: ops.KernelOptions.hopper_intra_bwd; the conditions are ops.use_hopper_intra_bwd's.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward; Mosaic GPU API of
 jax 0.11.2 (jax.experimental.pallas.mosaic_gpu).
 """
@@ -72,8 +73,8 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
     if not all(x.dtype == F32 for x in (G, du, w, u, A, M)):
         raise ValueError("G, du, w, u, A and M must be fp32; got "
                          f"{G.dtype}, {du.dtype}, {w.dtype}, {u.dtype}, {A.dtype}, {M.dtype}")
-    if beta.dtype not in (BF16, F32):
-        raise ValueError(f"beta must be bf16 or fp32; got {beta.dtype}")
+    if not jnp.issubdtype(beta.dtype, jnp.floating):
+        raise ValueError(f"beta must be a float array; got {beta.dtype}")
     NT, C = T // CHUNK, CHUNK
     want = dict(k=(B, T, H, K), v=(B, T, H, V), G=(B, T, H, K), beta=(B, T, H), do=(B, T, H, V),
                 du=(B, H, T, V), h=(B, H, NT, V, K), dh=(B, H, NT, V, K), w=(B, H, T, K),
@@ -92,8 +93,8 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
 
     Args:
       q, k: [B, T, H, K] bf16; v: [B, T, H, V] bf16; G: [B, T, H, K] fp32, the chunk-local inclusive
-        cumsum of the log-decay g (nats; the op's xla_gate_cumsum form); beta: [B, T, H] bf16 or
-        fp32; do: [B, T, H, V] bf16 (all token-major, the user's layout).
+        cumsum of the log-decay g (nats; the op's xla_gate_cumsum form); beta: [B, T, H], any float
+        dtype (read as fp32); do: [B, T, H, V] bf16 (all token-major, the user's layout).
       du: [B, H, T, V] fp32, dV' from the reverse state pass; h, dh: [B, H, T / 64, V, K] bf16, the
         transposed state entering each chunk and the transposed gradient of the state after it.
       w: [B, H, T, K], u: [B, H, T, V] fp32 (the forward's W, U); A, M: [B, H, T, 64] fp32 (the
@@ -233,7 +234,7 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
                        plgpu.Barrier(num_arrivals=2 * KH + 1, num_barriers=1)],
         grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
-    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T)
+    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows for one load each
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(
         q, k, v, G, beta_hm, do, flat(du), flat(h), flat(dh), flat(w), flat(u), flat(A), flat(M))
     hm = lambda x: x.reshape(B, H, *x.shape[1:])   # noqa: E731
