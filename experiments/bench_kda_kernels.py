@@ -289,7 +289,8 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "compact_bwd": "compact_offdiag_bwd", "tile_state": "tile_state_bwd",
                   "pallas_cumsum": "pallas_cumsum", "bf16_state_bwd": "bf16_state_bwd_dots",
                   "hopper_state": "hopper_state_fwd", "hopper_state_bwd": "hopper_state_bwd",
-                  "hopper_fused": "hopper_fused_output", "hopper_intra": "hopper_intra_bwd"}
+                  "hopper_fused": "hopper_fused_output", "hopper_intra": "hopper_intra_bwd",
+                  "hopper_score": "hopper_score_bwd"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 

@@ -12,7 +12,9 @@ differentiated forward saved (chunk factors, A and M, per-chunk states; nothing 
 `bwd.intra_bwd` (parallel; it also forms the products with the saved states and their gradients)
 give dq, dk, dv, dg, dbeta and dh0. On an sm_90 GPU (and in interpret mode) the two serial state
 passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd,
-hopper_fused_output (the forward pass forms o too) and hopper_state_bwd; same math and layouts). The kernels read and write the user's token-major [B, T, H, .]
+hopper_fused_output (the forward pass forms o too) and hopper_state_bwd; same math and layouts), and
+so do kernel a of the two-kernel intra backward (hopper_bwd.py, hopper_intra_bwd) and, when asked,
+kernel b (hopper_score_bwd.py, hopper_score_bwd; off by default until measured). The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
 g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
@@ -63,7 +65,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, hopper_bwd, split
+from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, hopper_bwd, hopper_score_bwd, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -220,6 +222,14 @@ class KernelOptions:
       Measured on the H200 (one process, 2026-12-01): op forward+backward 11.11 -> 8.22 ms at
       8x4096x16x128 and 21.93 -> 15.94 ms at 16x2048x32x128; errors vs the fp32 recurrence
       unchanged to three digits.
+    hopper_score_bwd (off: NOT YET RUN ON A GPU, round 14 of kda_pallas_notes.md): kernel b of the
+      two-kernel intra-chunk backward (the anchored score-tile backward, bwd.intra_bwd_b) as the
+      Mosaic GPU kernel hopper_score_bwd.intra_bwd_b (bwd._score_bwd's masked form as [64, 64]
+      wgmma; split-bf16 diagonal tiles as the Triton kernel's bf16x3 dots). Where it applies: bf16
+      inputs with bf16_intra_dots and xla_gate_cumsum, the two-kernel backward, bounded gates
+      (lower_bound set; with lower_bound=None the Triton kernel's exact diagonal tiles run), padded
+      K in hopper.HEAD_DIMS, compiled on a compute-capability-9.x GPU or in interpret mode; with
+      either kernel a (segment_ids only reach kernel a). Elsewhere the Triton kernel b runs.
     """
 
     split_intra_bwd: bool = True
@@ -236,6 +246,7 @@ class KernelOptions:
     hopper_state_bwd: bool = True
     hopper_fused_output: bool = True
     hopper_intra_bwd: bool = True
+    hopper_score_bwd: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -244,7 +255,8 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                bf16_intra_dots=False, xla_gate_cumsum=False, split_intra_fwd=False,
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
-                               hopper_fused_output=False, hopper_intra_bwd=False)
+                               hopper_fused_output=False, hopper_intra_bwd=False,
+                               hopper_score_bwd=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -256,14 +268,16 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   bf16_intra_dots=True, xla_gate_cumsum=True, split_intra_fwd=True,
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
-                                  hopper_fused_output=True, hopper_intra_bwd=True)
+                                  hopper_fused_output=True, hopper_intra_bwd=True,
+                                  hopper_score_bwd=False)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
-# backward state pass's dot precision, the Hopper state passes and kernel a): unbounded gates run with
+# backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b, which
+# is not used for unbounded gates whatever it says): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
-                     "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd")
+                     "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -420,6 +434,45 @@ def use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options) -> bool
             and (bool(interpret) or hopper.is_hopper()))
 
 
+def use_hopper_score_bwd(q, unbounded, interpret, options) -> bool:
+    """Whether kernel b of the intra-chunk backward runs hopper_score_bwd.intra_bwd_b
+    (KernelOptions.hopper_score_bwd); q: the padded token-major queries."""
+    return (options.hopper_score_bwd and options.bf16_intra_dots and options.xla_gate_cumsum
+            and (options.split_intra_bwd or options.compact_offdiag_bwd) and not unbounded
+            and q.shape[-1] in hopper.HEAD_DIMS and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+            and (bool(interpret) or hopper.is_hopper()))
+
+
+def _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, *, scale, chunk_size, interpret, options,
+               unbounded):
+    """The intra-chunk backward: the Triton kernels (bwd.intra_bwd, one or two kernels), with kernel a
+    (KernelOptions.hopper_intra_bwd) and / or kernel b (hopper_score_bwd) on Hopper where they
+    apply; same outputs (dq, dk, dv, dg, dbeta)."""
+    hopper_a = use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options)
+    hopper_b = use_hopper_score_bwd(q, unbounded, interpret, options)
+    if not (hopper_a or hopper_b):
+        return bwd.intra_bwd(
+            q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size,
+            interpret=interpret, split=options.split_intra_bwd, bf16_dots=options.bf16_intra_dots,
+            gate_cumsum=options.xla_gate_cumsum, segments=rel, compact_offdiag=options.compact_offdiag_bwd,
+            unbounded=unbounded, state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd else None))
+    if hopper_a:
+        dv, dbeta, *parts = hopper_bwd.intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
+                                                   interpret=interpret)
+    else:                                 # gate_cumsum: kernel a writes no G
+        dv, dbeta, *parts = bwd.intra_bwd_a(
+            q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size, interpret=interpret,
+            bf16_dots=True, gate_cumsum=True, segments=rel,
+            state_block_v=bwd.STATE_BLOCK_V if options.tile_state_bwd else None)
+    if hopper_b:
+        dq, dk, dg = hopper_score_bwd.intra_bwd_b(q, k, g, *parts, scale=scale, interpret=interpret)
+    else:
+        dq, dk, dg = bwd.intra_bwd_b(q, k, g, *parts, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                                     bf16_dots=True, gate_cumsum=True,
+                                     compact_offdiag=options.compact_offdiag_bwd, unbounded=unbounded)
+    return dq, dk, dv, dg, dbeta
+
+
 def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
     """The chunk-local (reverse) cumsum that options.xla_gate_cumsum moves out of the intra kernels:
     XLA's (common.chunk_cumsum) or, with options.pallas_cumsum, the Pallas kernel's."""
@@ -485,18 +538,9 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
         dh0 = dh0[:, :, 0]
     else:
         du, dh, dh0 = _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, **pass_kw)
-    if use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options):
-        dv, dbeta, *parts = hopper_bwd.intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
-                                                   interpret=interpret)
-        dq, dk, dg = bwd.intra_bwd_b(q, k, g, *parts, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                                     bf16_dots=True, gate_cumsum=True,
-                                     compact_offdiag=options.compact_offdiag_bwd, unbounded=unbounded)
-    else:
-        dq, dk, dv, dg, dbeta = bwd.intra_bwd(
-            q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size,
-            interpret=interpret, split=options.split_intra_bwd, bf16_dots=options.bf16_intra_dots,
-            gate_cumsum=options.xla_gate_cumsum, segments=rel, compact_offdiag=options.compact_offdiag_bwd,
-            unbounded=unbounded, state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd else None))
+    dq, dk, dv, dg, dbeta = _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, scale=scale,
+                                       chunk_size=chunk_size, interpret=interpret, options=options,
+                                       unbounded=unbounded)
     if options.xla_gate_cumsum:
         dg = _gate_cumsum(dg, chunk_size, options, interpret, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
