@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from pallas_kernels.kda import bwd, common, fwd, hopper, ops, split
+from pallas_kernels.kda import bwd, common, fwd, hopper, hopper_bwd, hopper_score_bwd, ops, split
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x4096x16x128", "1x65536x16x128"], "BxTxHxK shapes (V = K)")
@@ -98,7 +98,7 @@ flags.DEFINE_list("ablate", [], "profiling mode: ablations to time ('none' = as 
 flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the profiling mode: "
                   "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
                   "state_fwd_vp, state_fwd_hopper, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, "
-                  "intra_bwd_b")
+                  "intra_bwd_b, intra_bwd_a_hopper, intra_bwd_b_hopper")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
@@ -275,7 +275,12 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_a": bwd.A_ABLATIONS + ("tile_state", "tile_state32"),
                   "intra_bwd_b": (),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
-                  "state_fwd_hopper": ()}
+                  "state_fwd_hopper": (), "intra_bwd_a_hopper": hopper_bwd.ABLATIONS,
+                  "intra_bwd_b_hopper": ()}
+# The Mosaic GPU kernels (hopper*.py): no Triton num_warps; intra_bwd_a_hopper / intra_bwd_b_hopper
+# take intra_bwd_a's / intra_bwd_b's inputs (kernel a's "hbm_loads" and "dL" ablations: its direct HBM
+# reads replaced by constants, its exact dL products skipped).
+MOSAIC_KERNELS = ("state_fwd_hopper", "intra_bwd_a_hopper", "intra_bwd_b_hopper")
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
 # bf16_state_bwd_dots and the hopper options but hopper_score_bwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
@@ -345,6 +350,8 @@ def profile_inputs(B, T, H, K):
             "intra_fwd_split": (q, k, v, g, beta),
             "state_fwd": (fac, h0), "state_fwd_vp": (kd, w, u, gl, h0),
             "state_fwd_hopper": (kd, w, u, gl, h0),
+            "intra_bwd_a_hopper": (q, k, v, G, beta, do, du, h, dh, w, u, A, M),
+            "intra_bwd_b_hopper": bwd_b_in,
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
 
@@ -379,6 +386,10 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
                                            vp_dtype=fdt[3], _params=params)
     if kernel == "state_fwd_hopper":          # Mosaic GPU (hopper.py; no warps / ablations)
         return lambda *a: hopper.state_fwd(*a, interpret=interpret)
+    if kernel == "intra_bwd_a_hopper":        # Mosaic GPU (hopper_bwd.py; no warps)
+        return lambda *a: hopper_bwd.intra_bwd_a(*a, scale=sc, interpret=interpret, _ablate=ablate)
+    if kernel == "intra_bwd_b_hopper":        # Mosaic GPU (hopper_score_bwd.py; no warps / ablations)
+        return lambda *a: hopper_score_bwd.intra_bwd_b(*a, scale=sc, interpret=interpret)
     if kernel == "output_fwd":
         return lambda *a: fwd.output_fwd(*a, chunk_size=CHUNK, out_dtype=bf, interpret=interpret,
                                          precision=prec, _params=params)
@@ -446,7 +457,7 @@ def profile(res, save, t_start):
             ablate = () if spec == "none" else tuple(spec.split("+"))
             if any(a not in ABLATION_NAMES[kernel] for a in ablate):
                 continue
-            for nw in (FLAGS.ablate_warps if kernel != "state_fwd_hopper" else ["0"]):   # no num_warps
+            for nw in (FLAGS.ablate_warps if kernel not in MOSAIC_KERNELS else ["0"]):   # no num_warps
                 row = {"shape": FLAGS.shapes[0], "kernel": kernel, "ablate": spec,
                        "num_warps": int(nw)}
                 jobs.append((row, kernel_build(row, ablate), "time"))

@@ -89,6 +89,8 @@ class TestHopperIntraBwd:
             ok([q, q, *args[2:]])
         with pytest.raises(ValueError, match="multiple of 64"):
             ok([x[:, :32] for x in args[:6]] + args[6:])
+        with pytest.raises(ValueError, match="_ablate"):        # the private profiling option
+            hopper_bwd.intra_bwd_a(*args, scale=0.1, interpret=True, _ablate=("state_products",))
 
     @pytest.mark.parametrize("K, V", [(128, 128), (64, 64)])
     def test_lowers_for_cuda(self, K, V):

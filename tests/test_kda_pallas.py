@@ -567,7 +567,7 @@ class TestProfilingAblations:
                     lowered = jax.jit(bk.profile_fn(kernel, ablate, 4, K, False)).trace(
                         *inputs[kernel]).lower(lowering_platforms=("cuda",))
                     texts[ablate] = lowered.as_text()
-                    if kernel == "state_fwd_hopper":        # Mosaic GPU, not Triton; no ablations
+                    if kernel in bk.MOSAIC_KERNELS:         # Mosaic GPU, not Triton
                         assert "mosaic_gpu" in texts[ablate] and "xla.gpu.triton" not in texts[ablate]
                         continue
                     n_calls = 2 if "_split" in kernel else 1

@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kda.hopper import BF16, CHUNK, F32, HEAD_DIMS, _operand, interpret_params
 
 HALF = 64                  # columns of K per step (one 128-byte swizzle tile of bf16)
+ABLATIONS = ("hbm_loads", "dL")    # intra_bwd_a's private profiling ablations
 _WG = plgpu.Layout.WGMMA
 _ROW, _COL = _WG.reduce(1), _WG.reduce(0)      # a [C] per-row and a [N] per-column vector
 
@@ -58,6 +59,35 @@ def _split(x, hi_s, lo_s):
     hi = x.astype(BF16)
     hi_s[...] = hi
     lo_s[...] = (x - hi.astype(F32)).astype(BF16)
+
+
+def _dl(dA, r_i, c_i, a_hi, a_lo, t_hi, t_lo):
+    """dL = -A^T dA A^T on the strict lower triangle (dA masked to rows >= cols first), both products
+    with split-bf16 operands (hi hi + hi lo + lo hi); t_hi, t_lo: two free [C, C] operand buffers."""
+    _split(jnp.where(r_i >= c_i, dA, 0.0), t_hi, t_lo)
+    plgpu.commit_smem()
+
+    def r_dot(acc):                                       # A^T dA
+        plgpu.wgmma(acc, a_hi.T, t_hi)
+        plgpu.wgmma(acc, a_hi.T, t_lo)
+        plgpu.wgmma(acc, a_lo.T, t_hi)
+        return acc[...]
+    r = pl.run_scoped(r_dot, plgpu.ACC(dA.shape, F32))
+    plgpu.commit_smem()                                   # every warp's reads of t_hi, t_lo are done
+    _split(r, t_hi, t_lo)
+    plgpu.commit_smem()
+
+    def l_dot(acc):                                       # (A^T dA) A^T
+        plgpu.wgmma(acc, t_hi, a_hi.T)
+        plgpu.wgmma(acc, t_hi, a_lo.T)
+        plgpu.wgmma(acc, t_lo, a_hi.T)
+        return acc[...]
+    return jnp.where(r_i > c_i, -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
+
+
+def _const_load(ref, layout=_WG):
+    """The "hbm_loads" profiling ablation's stand-in for _load: a constant in the same layout."""
+    return plgpu.layout_cast(jnp.full(ref.shape, 0.5, F32), layout)
 
 
 def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
@@ -88,7 +118,7 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
 
 
 def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
-                interpret: bool | plgpu.InterpretGPUParams = False):
+                interpret: bool | plgpu.InterpretGPUParams = False, _ablate: tuple[str, ...] = ()):
     """Kernel a of the intra-chunk backward on Hopper (module docstring); chunk 64.
 
     Args:
@@ -103,9 +133,16 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
     Returns (as bwd.intra_bwd_a with gate_cumsum=True): dv [B, T, H, V] bf16 and dbeta [B, T, H]
       fp32 (final, token-major); head-major fp32 partial dq, dk, dG [B, H, T, K], dG_last
       [B, H, T / 64, K], the score gradients dM, dAqk [B, H, T, 64].
-    Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes or shapes.
+    _ablate: PRIVATE profiling option (timing only, results WRONG): "hbm_loads" (every direct HBM
+      read replaced by a constant; the TMA copies stay), "dL" (the exact dL products skipped).
+    Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes or shapes,
+      an unknown _ablate name.
     """
     B, T, H, K, V, NT = _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M)
+    ablate = frozenset(_ablate)
+    if not ablate <= set(ABLATIONS):
+        raise ValueError(f"_ablate={_ablate} must name some of {ABLATIONS}")
+    ld = _const_load if "hbm_loads" in ablate else _load
     C, KH, BH = CHUNK, K // HALF, B * H
 
     def body(q_ref, k_ref, v_ref, G_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref, w_ref, u_ref, A_ref,
@@ -122,10 +159,10 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
 
         # the fp32 operands, rounded to bf16 while the loads fly (A also split for the exact dots)
         for kh in range(KH):
-            w_s.at[kh][...] = _load(w_ref.at[bh, rows, pl.ds(kh * HALF, HALF)]).astype(BF16)
-        du_s[...] = _load(du_ref.at[bh, rows]).astype(BF16)
-        _split(_load(A_ref.at[bh, rows]), a_hi, a_lo)
-        beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]
+            w_s.at[kh][...] = ld(w_ref.at[bh, rows, pl.ds(kh * HALF, HALF)]).astype(BF16)
+        du_s[...] = ld(du_ref.at[bh, rows]).astype(BF16)
+        _split(ld(A_ref.at[bh, rows]), a_hi, a_lo)
+        beta_c = ld(beta_ref.at[bh, rows], _ROW)[:, None]
         r_i, c_i = _iota((C, C), 0), _iota((C, C), 1)
         plgpu.commit_smem()
         plgpu.barrier_wait(bar.at[0])
@@ -134,7 +171,7 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             for kh in range(KH):
                 plgpu.wgmma(acc, w_s.at[kh], h_s.at[kh].T)
             return acc[...]
-        vp_s[...] = (_load(u_ref.at[bh, rows]) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
+        vp_s[...] = (ld(u_ref.at[bh, rows]) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
         plgpu.commit_smem()
 
         def daqk_dot(acc):                                # dO V'^T
@@ -145,10 +182,10 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         dbeta = jnp.zeros((C,), F32)
         for kh in range(KH):
             cols = pl.ds(kh * HALF, HALF)
-            g_h = _load(G_ref.at[b, rows, hh, cols])
-            gl_v = _load(G_ref.at[b, c * C + C - 1, hh, cols], _COL)
-            q_h = _load(q_ref.at[b, rows, hh, cols])
-            k_h = _load(k_ref.at[b, rows, hh, cols])
+            g_h = ld(G_ref.at[b, rows, hh, cols])
+            gl_v = ld(G_ref.at[b, c * C + C - 1, hh, cols], _COL)
+            q_h = ld(q_ref.at[b, rows, hh, cols])
+            k_h = ld(k_ref.at[b, rows, hh, cols])
             eg = jnp.exp(g_h)
 
             def half_dots(a_kd, a_qg, a_dw):          # V' dS^T, dO S^T, dU S^T on this half
@@ -185,7 +222,7 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             dgl_ref.at[bh, c, cols][...] = dgl
 
         # the V side: Y = beta v into V''s buffer (its last wgmma reads finished before the commits above)
-        v_c = _load(v_ref.at[b, rows, hh])
+        v_c = ld(v_ref.at[b, rows, hh])
         vp_s[...] = (beta_c * v_c).astype(BF16)
         plgpu.commit_smem()
 
@@ -199,27 +236,11 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         dv_ref.at[b, rows, hh][...] = (beta_c * dy).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(v_c * dy, axis=1)
 
-        # dL = -A^T dA A^T, both products with split-bf16 operands (hi hi + hi lo + lo hi)
-        _split(jnp.where(r_i >= c_i, dA, 0.0), t_hi, t_lo)
-        plgpu.commit_smem()
-
-        def r_dot(acc):                                   # A^T dA
-            plgpu.wgmma(acc, a_hi.T, t_hi)
-            plgpu.wgmma(acc, a_hi.T, t_lo)
-            plgpu.wgmma(acc, a_lo.T, t_hi)
-            return acc[...]
-        r = pl.run_scoped(r_dot, plgpu.ACC((C, C), F32))
-        plgpu.commit_smem()                               # every warp's reads of t_hi, t_lo are done
-        _split(r, t_hi, t_lo)
-        plgpu.commit_smem()
-
-        def l_dot(acc):                                   # (A^T dA) A^T
-            plgpu.wgmma(acc, t_hi, a_hi.T)
-            plgpu.wgmma(acc, t_hi, a_lo.T)
-            plgpu.wgmma(acc, t_lo, a_hi.T)
-            return acc[...]
-        dL = jnp.where(r_i > c_i, -pl.run_scoped(l_dot, plgpu.ACC((C, C), F32)), 0.0)
-        dbeta = dbeta + jnp.sum(dL * _load(M_ref.at[bh, rows]), axis=1)
+        if "dL" in ablate:                                # profiling: the exact dL products skipped
+            dL = jnp.where(r_i > c_i, -dA, 0.0)
+        else:
+            dL = _dl(dA, r_i, c_i, a_hi, a_lo, t_hi, t_lo)
+        dbeta = dbeta + jnp.sum(dL * ld(M_ref.at[bh, rows]), axis=1)
         dm_ref.at[bh, rows][...] = beta_c * dL
         dbeta_ref.at[bh, rows][...] = dbeta
 
