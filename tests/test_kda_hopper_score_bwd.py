@@ -18,24 +18,28 @@ import pytest
 
 from pallas_kernels.kda import bwd, hopper_bwd, hopper_score_bwd, ops
 from tests.kda_testing import assert_rms_close, rms_ratio
-from tests.test_kda_hopper import _no_races
 from tests.test_kda_hopper_bwd import _inputs as _a_inputs
 from tests.test_kda_pallas import GRAD_NAMES, lowered_grad_text, option_ab_inputs, pallas_outputs
 
 
-def _inputs(B, T, H, K, seed=0):
+def _inputs(B, T, H, K, seed=0, partials=0.0):
     """Kernel b's inputs: q, k, G as kernel a's test inputs (G a chunk cumsum of -5 sigmoid(N(0, 1)));
-    the partials N(0, 1); dM strictly lower and dAqk lower incl. the diagonal per chunk."""
+    the partials dq', dk', dG', dG_last `partials` N(0, 1) (0: the outputs are the score terms alone,
+    so an error in them is not hidden under the partials); dM strictly lower and dAqk lower incl.
+    the diagonal per chunk."""
     q, k, _, G, *_ = _a_inputs(B, T, H, K, K, seed)
     ks = jax.random.split(jax.random.PRNGKey(seed + 5), 6)
     NT = T // 64
     n = lambda i, shape, s=1.0: s * jax.random.normal(ks[i], shape)                 # noqa: E731
     tri = lambda i, d: jnp.tril(n(i, (B, H, NT, 64, 64), 0.3), d).reshape(B, H, T, 64)  # noqa: E731
-    return (q, k, G, n(0, (B, H, T, K)), n(1, (B, H, T, K)), n(2, (B, H, T, K)), n(3, (B, H, NT, K)),
-            tri(4, -1), tri(5, 0))
+    p = partials
+    return (q, k, G, n(0, (B, H, T, K), p), n(1, (B, H, T, K), p), n(2, (B, H, T, K), p),
+            n(3, (B, H, NT, K), p), tri(4, -1), tri(5, 0))
 
 
 def _check_matches_triton(shape, interpret, tol, compact):
+    """intra_bwd_b vs the Triton kernel b on inputs with zero partials (the score terms alone);
+    tol: {output name: RMS-ratio bound}."""
     args = _inputs(*shape)
     scale = shape[3] ** -0.5
     out = jax.jit(lambda *a: hopper_score_bwd.intra_bwd_b(*a, scale=scale, interpret=interpret))(*args)
@@ -44,26 +48,21 @@ def _check_matches_triton(shape, interpret, tol, compact):
     errs = {}
     for name, o, r in zip(("dq", "dk", "dg"), out, ref):
         assert o.shape == r.shape and o.dtype == r.dtype, name
-        errs[name] = assert_rms_close(f"hopper kernel b {name} {shape} compact={compact}", r, o, tol)
+        errs[name] = assert_rms_close(f"hopper kernel b {name} {shape} compact={compact}", r, o, tol[name])
     return errs
 
 
 class TestHopperScoreBwd:
 
-    @pytest.mark.parametrize("B, T, H, K", [(1, 128, 2, 128), (2, 64, 1, 64)])
+    @pytest.mark.parametrize("B, T, H, K", [(1, 128, 2, 128), (2, 128, 2, 64)])
     @pytest.mark.parametrize("compact", [False, True])
     def test_matches_triton_kernel_b(self, B, T, H, K, compact):
         # Same sums and operand rounding as the masked Triton kernel b (the compact one groups its
-        # column side by a later anchor: rounding). Measured (1, 128, 2, 128), either form: dq 0 (bf16
-        # outputs), dk 5.5e-6, dg 2.5e-8.
-        _check_matches_triton((B, T, H, K), True, 2e-5, compact)
-
-    def test_no_smem_races(self):
-        # No TMA here: every buffer is written by generic stores and read by wgmma, which the
-        # interpreter runs synchronously; this checks the interpreter's view of the generic
-        # accesses only (the fences and barriers before wgmma rest on review and the GPU tests).
-        assert _no_races(lambda *a, interpret: hopper_score_bwd.intra_bwd_b(*a, scale=0.1, interpret=interpret),
-                         _inputs(1, 64, 1, 128))
+        # column side by a later anchor: rounding). Zero partials, so the outputs are the score
+        # terms alone. Measured (RMS ratios, either form): dq 9.5e-5 / 8.1e-5 and dk 1.2e-4 / 1.0e-4
+        # (bf16 outputs: rounding flips), dg 1.3e-5 (fp32). A bf16-only diagonal tile (no lo parts)
+        # would move dg by ~6e-3.
+        _check_matches_triton((B, T, H, K), True, dict(dq=5e-4, dk=5e-4, dg=5e-5), compact)
 
     def test_bad_input_raises(self):
         args = list(_inputs(1, 64, 1, 64))
@@ -100,13 +99,15 @@ class TestHopperScoreBwdOption:
             monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
         return calls
 
-    @pytest.mark.parametrize("K, segments, compact", [(64, False, False), (64, True, True), (128, False, True)])
-    def test_op_matches_option_off(self, monkeypatch, K, segments, compact):
+    @pytest.mark.parametrize("K, segments, compact, tol", [(64, False, False, 1e-3), (64, True, True, 3e-3),
+                                                           (128, False, True, 1e-3)])
+    def test_op_matches_option_off(self, monkeypatch, K, segments, compact, tol):
         # Against the same options with the Triton kernel b: with its masked form (compact off) the
-        # same sums; with the compact one (the default) rounding only. Measured (RMS ratios, on vs
-        # off): K = 64 bounded compact dq 6e-5, dg 2.3e-4; K = 64 with segment_ids (Triton kernel a,
-        # the Hopper kernel b) dk 1.2e-3, dg 1.2e-3; K = 128 dq 1.3e-4, dg 2.5e-4; all three equal
-        # to three digits in their errors vs the fp32 path (test_errors_vs_fp32_unchanged).
+        # same sums; with the compact one (the default) rounding only. RMS ratios, on vs off
+        # (measured with the compact kernel b as the reference): K = 64 dq 6e-5, dg 2.3e-4; K = 64
+        # with segment_ids (Triton kernel a, the Hopper kernel b) dk 1.2e-3, dg 1.2e-3; K = 128 dq
+        # 1.3e-4, dg 2.5e-4 (bf16 gradients: the errors vs the fp32 path are equal to three digits,
+        # test_errors_vs_fp32_unchanged).
         calls = self._count_calls(monkeypatch)
         x, seg, do, dht = option_ab_inputs(70, "bfloat16", segments=segments, lower_bound=-5.0, V=K, K=K)
         off = dataclasses.replace(ops.KernelOptions(), compact_offdiag_bwd=compact)
@@ -115,7 +116,7 @@ class TestHopperScoreBwdOption:
         o0, ht0, g0 = pallas_outputs(x, do, dht, off, segment_ids=seg)
         np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
         for name in GRAD_NAMES:
-            assert_rms_close(f"hopper_score_bwd off: {name}", g0[name], grads[name], 3e-3)
+            assert_rms_close(f"hopper_score_bwd off: {name}", g0[name], grads[name], tol)
 
     def test_errors_vs_fp32_unchanged(self):
         # The errors of the bf16 gradients against the fp32 path (the same inputs upcast) are the
@@ -173,5 +174,5 @@ class TestHopperScoreBwdGPU:
     @pytest.mark.parametrize("shape", [(2, 1024, 4, 128), (8, 4096, 16, 128), (2, 1024, 4, 64)])
     @pytest.mark.parametrize("compact", [False, True])
     def test_matches_triton_kernel_b(self, shape, compact):
-        errs = _check_matches_triton(shape, False, 1e-4, compact)
+        errs = _check_matches_triton(shape, False, dict(dq=1e-3, dk=1e-3, dg=1e-4), compact)
         print(shape, compact, {k: f"{v:.2g}" for k, v in errs.items()})

@@ -438,7 +438,8 @@ def use_hopper_score_bwd(q, unbounded, interpret, options) -> bool:
     """Whether kernel b of the intra-chunk backward runs hopper_score_bwd.intra_bwd_b
     (KernelOptions.hopper_score_bwd); q: the padded token-major queries."""
     return (options.hopper_score_bwd and options.bf16_intra_dots and options.xla_gate_cumsum
-            and (options.split_intra_bwd or options.compact_offdiag_bwd) and not unbounded
+            and (options.split_intra_bwd or options.compact_offdiag_bwd or options.tile_state_bwd)
+            and not unbounded
             and q.shape[-1] in hopper.HEAD_DIMS and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
             and (bool(interpret) or hopper.is_hopper()))
 
