@@ -90,6 +90,14 @@ def _const_load(ref, layout=_WG):
     return plgpu.layout_cast(jnp.full(ref.shape, 0.5, F32), layout)
 
 
+def _check_shapes(arrays, want, context):
+    """Raises a ValueError naming every array of `arrays` ({name: array}) whose shape is not
+    want[name], with `context` (what the expected shapes follow from)."""
+    bad = {n: a.shape for n, a in arrays.items() if a.shape != want[n]}
+    if bad:
+        raise ValueError(f"shapes do not match {context}: {bad}; expected { {n: want[n] for n in bad} }")
+
+
 def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -109,11 +117,8 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
     want = dict(k=(B, T, H, K), v=(B, T, H, V), G=(B, T, H, K), beta=(B, T, H), do=(B, T, H, V),
                 du=(B, H, T, V), h=(B, H, NT, V, K), dh=(B, H, NT, V, K), w=(B, H, T, K),
                 u=(B, H, T, V), A=(B, H, T, C), M=(B, H, T, C))
-    got = dict(k=k, v=v, G=G, beta=beta, do=do, du=du, h=h, dh=dh, w=w, u=u, A=A, M=M)
-    bad = {n: got[n].shape for n, s in want.items() if got[n].shape != s}
-    if bad:
-        raise ValueError(f"shapes do not match q {q.shape} (B, T, H, K) and v's V = {V}: {bad}; expected "
-                         f"{ {n: want[n] for n in bad} }")
+    _check_shapes(dict(k=k, v=v, G=G, beta=beta, do=do, du=du, h=h, dh=dh, w=w, u=u, A=A, M=M), want,
+                  f"q {q.shape} (B, T, H, K) and v's V = {V}")
     return B, T, H, K, V, NT
 
 

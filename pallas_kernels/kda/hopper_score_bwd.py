@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.hopper import BF16, CHUNK, F32, HEAD_DIMS, _operand, interpret_params
-from pallas_kernels.kda.hopper_bwd import _COL, HALF, _iota, _load, _split
+from pallas_kernels.kda.hopper_bwd import _COL, HALF, _check_shapes, _iota, _load, _split
 
 BT = 16                    # row block (diagonal tile) of the anchored scores
 NB = CHUNK // BT
@@ -56,11 +56,8 @@ def _check(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk):
     NT = T // CHUNK
     want = dict(k=(B, T, H, K), G=(B, T, H, K), dqp=(B, H, T, K), dkp=(B, H, T, K), dgp=(B, H, T, K),
                 dgl=(B, H, NT, K), dM=(B, H, T, CHUNK), dAqk=(B, H, T, CHUNK))
-    got = dict(k=k, G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk)
-    bad = {n: got[n].shape for n, s in want.items() if got[n].shape != s}
-    if bad:
-        raise ValueError(f"shapes do not match q {q.shape} (B, T, H, K): {bad}; expected "
-                         f"{ {n: want[n] for n in bad} }")
+    _check_shapes(dict(k=k, G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), want,
+                  f"q {q.shape} (B, T, H, K)")
     return B, T, H, K, NT
 
 

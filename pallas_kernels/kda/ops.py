@@ -421,27 +421,32 @@ def _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, *, bf16_dots, precision, state_
                          chunk_size=chunk_size, block_v=block_v, interpret=interpret)
 
 
+def _hopper_split_bwd(q, interpret, options) -> bool:
+    """The conditions shared by both Hopper kernels of the two-kernel intra backward: that backward
+    (split_intra_bwd, compact_offdiag_bwd or tile_state_bwd implies it) with bf16 operands and the
+    gate cumsum outside, bf16 queries q (padded token-major) with K in hopper.HEAD_DIMS, compiled on
+    Hopper or in interpret mode."""
+    return (options.bf16_intra_dots and options.xla_gate_cumsum
+            and (options.split_intra_bwd or options.compact_offdiag_bwd or options.tile_state_bwd)
+            and q.shape[-1] in hopper.HEAD_DIMS and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+            and (bool(interpret) or hopper.is_hopper()))
+
+
 def use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options) -> bool:
     """Whether kernel a of the intra-chunk backward runs hopper_bwd.intra_bwd_a
     (KernelOptions.hopper_intra_bwd); q, v, do are the padded token-major inputs, h, du, w, u the
     saved states, dV' and W, U, rel the document offsets (None without segment_ids)."""
     bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-    return (options.hopper_intra_bwd and options.bf16_intra_dots and options.xla_gate_cumsum
-            and (options.split_intra_bwd or options.compact_offdiag_bwd) and not options.tile_state_bwd
-            and rel is None and q.shape[-1] in hopper.HEAD_DIMS and v.shape[-1] in hopper.HEAD_DIMS
-            and all(jnp.dtype(x.dtype) == bf16 for x in (q, v, do, h))
-            and all(jnp.dtype(x.dtype) == f32 for x in (du, w, u))
-            and (bool(interpret) or hopper.is_hopper()))
+    return (options.hopper_intra_bwd and not options.tile_state_bwd and _hopper_split_bwd(q, interpret, options)
+            and rel is None and v.shape[-1] in hopper.HEAD_DIMS
+            and all(jnp.dtype(x.dtype) == bf16 for x in (v, do, h))
+            and all(jnp.dtype(x.dtype) == f32 for x in (du, w, u)))
 
 
 def use_hopper_score_bwd(q, unbounded, interpret, options) -> bool:
     """Whether kernel b of the intra-chunk backward runs hopper_score_bwd.intra_bwd_b
     (KernelOptions.hopper_score_bwd); q: the padded token-major queries."""
-    return (options.hopper_score_bwd and options.bf16_intra_dots and options.xla_gate_cumsum
-            and (options.split_intra_bwd or options.compact_offdiag_bwd or options.tile_state_bwd)
-            and not unbounded
-            and q.shape[-1] in hopper.HEAD_DIMS and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
-            and (bool(interpret) or hopper.is_hopper()))
+    return options.hopper_score_bwd and not unbounded and _hopper_split_bwd(q, interpret, options)
 
 
 def _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, *, scale, chunk_size, interpret, options,
