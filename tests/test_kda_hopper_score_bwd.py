@@ -1,6 +1,6 @@
 """Kernel b of the intra-chunk backward on Hopper (the anchored score-tile backward),
 pallas_kernels.kda.hopper_score_bwd.intra_bwd_b, and its dispatch (ops.KernelOptions.hopper_score_bwd,
-off by default until an H200 A/B decides).
+off by default: on the H200 it is correct but slower than the Triton kernel b).
 
 Held to the Triton kernel b (bwd.intra_bwd_b, bf16 operands, gate cumsum outside; its masked form,
 whose sums it computes, and the compact default) in Mosaic GPU interpret mode on CPU, lowered for

@@ -22,8 +22,13 @@ score-gradient operands are built once per chunk, the column operands per half. 
 straight from HBM into registers (Mosaic GPU's plain transfer), outputs stored straight from them.
 SMEM: 152 KiB.
 
-Not yet run on a GPU (2026-12-01): ops.KernelOptions.hopper_score_bwd (off by default) until an
-H200 A/B decides. Unbounded gates keep the Triton kernel's exact diagonal tiles.
+Measured on the H200 (2026-12-01, round 14 of kda_pallas_notes.md): correct (compiled against the
+compiled Triton kernel b: dq 2.3e-5, dk 3.1e-5, dg 2.2e-6 RMS ratios at 8x4096x16x128) but slower,
+6.00 ms against the Triton kernel b's 3.09 (op fwd+bwd 11.25 vs 8.28), so
+ops.KernelOptions.hopper_score_bwd stays off. ptxas reports 2.3 KB of register spills a thread and
+the code is unrolled over the two halves: kernel a's round-15 remedies (TMA-staged inputs, a loop
+over the halves, one product live at a time) are the next step for it.
+Unbounded gates keep the Triton kernel's exact diagonal tiles.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward (anchored
 16-token sub-chunks as fla's safe_gate path); Mosaic GPU API of jax 0.11.2.
 """
