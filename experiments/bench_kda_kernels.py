@@ -278,8 +278,8 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "state_fwd_hopper": (), "intra_bwd_a_hopper": hopper_bwd.ABLATIONS,
                   "intra_bwd_b_hopper": ()}
 # The Mosaic GPU kernels (hopper*.py): no Triton num_warps; intra_bwd_a_hopper / intra_bwd_b_hopper
-# take intra_bwd_a's / intra_bwd_b's inputs (kernel a's "hbm_loads" and "dL" ablations: its direct HBM
-# reads replaced by constants, its exact dL products skipped).
+# take intra_bwd_a's / intra_bwd_b's inputs (kernel a's "input_copies" and "dL" ablations: its TMA
+# copies of W, U, dU, A, G, q, k, v, M skipped, its exact dL products skipped).
 MOSAIC_KERNELS = ("state_fwd_hopper", "intra_bwd_a_hopper", "intra_bwd_b_hopper")
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
 # bf16_state_bwd_dots and the hopper options but hopper_score_bwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of

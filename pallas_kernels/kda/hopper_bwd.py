@@ -13,16 +13,19 @@ then the elementwise chain rule to the partial dq, dk, dG, dG_last, the final dv
 score gradients dM = beta dL, dAqk. Every product is a wgmma with bf16 operands in 128-byte-swizzled
 SMEM and an fp32 accumulator (common.BF16_OPERANDS); the two dL products take split-bf16 operands
 (hi + lo, three wgmma each: BF16_BF16_F32_X3, common.exact_precision for bf16 inputs). The
-[C, K] work runs in halves of 64 columns (the states arrive as two [V, 64] boxes each), so that at
-most a few [64, 64] fp32 values are live per thread; only dA accumulates across the halves.
+[C, K] work is a loop over halves of 64 columns (a loop, not unrolled: the straight-line code of
+both halves overflowed the instruction cache), one [C, 64] product at a time, each consumed before
+the next is issued, so that one warpgroup fits in 255 registers a thread (ptxas: 144 bytes of
+spills, down from ~1 KB); only dA accumulates across the halves.
 
-I/O: the dot operands that are bf16 in HBM (the states, dO) arrive by TMA; the fp32 operands (W, dU,
-A) and every elementwise input (q, k, v, G, beta, U, M) are read straight from HBM into registers in
-the wgmma layout (fp32 operands are rounded there and stored as bf16 operands); the outputs are
-written straight from registers. SMEM: 176 KiB at K = V = 128 (one CTA per SM). Measured on the H200
-(round 13 of kda_pallas_notes.md): op fwd+bwd 11.11 -> 8.22 ms at 8x4096x16x128; kernel a itself
-~3.3 ms against the Triton kernel's 6.09 (inferred from the profile: the three Mosaic GPU kernels
-together minus the two state passes' round-12 time), probably latency-bound (four warps per SM).
+I/O: every input but beta arrives by TMA in five phases (one barrier each): 0 the states and dO;
+1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then); the fp32
+inputs are staged in SMEM and rounded / split into bf16 operands there. beta is one 256-byte read
+straight into registers; the outputs are written straight from registers. SMEM: 224 KiB at
+K = V = 128 (one CTA per SM; plgpu.RefUnion shares the staging buffers between phases).
+Measured on the H200 (kda_pallas_notes.md, rounds 13 and 15): kernel a 2.22 ms at 8x4096x16x128
+(the Triton kernel a 6.70; this kernel's first version, direct HBM reads and unrolled halves, 3.79);
+op fwd+bwd 6.91 ms against 11.41 with the Triton kernel a.
 
 Dispatch: ops.KernelOptions.hopper_intra_bwd; the conditions are ops.use_hopper_intra_bwd's.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward; Mosaic GPU API of
@@ -39,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kda.hopper import BF16, CHUNK, F32, HEAD_DIMS, _operand, interpret_params
 
 HALF = 64                  # columns of K per step (one 128-byte swizzle tile of bf16)
-ABLATIONS = ("hbm_loads", "dL")    # intra_bwd_a's private profiling ablations
+ABLATIONS = ("input_copies", "dL")    # intra_bwd_a's private profiling ablations
 _WG = plgpu.Layout.WGMMA
 _ROW, _COL = _WG.reduce(1), _WG.reduce(0)      # a [C] per-row and a [N] per-column vector
 
@@ -49,8 +52,9 @@ def _iota(shape, dim):
 
 
 def _load(ref, layout=_WG, smem=False):
-    """ref (GMEM unless smem) into registers in `layout`, as fp32. GMEM loads take Mosaic GPU's
-    plain (non-"optimized") transfer: one vector load per register, straight from HBM / L2."""
+    """ref into registers in `layout`, as fp32: Mosaic GPU's "optimized" transfer for the bf16
+    operand buffers (smem=True), else the plain one (a vector load per register; GMEM, or the fp32
+    and 1-D staging buffers)."""
     return plgpu.load(ref, layout=layout, optimized=smem).astype(F32)
 
 
@@ -61,10 +65,17 @@ def _split(x, hi_s, lo_s):
     lo_s[...] = (x - hi.astype(F32)).astype(BF16)
 
 
-def _dl(dA, r_i, c_i, a_hi, a_lo, t_hi, t_lo):
+def _lower(n, strict=False):
+    """The [n, n] lower-triangle mask (diagonal included unless strict), made where it is used (held
+    across the kernel, two int32 iotas would take 64 registers a thread)."""
+    r, c = _iota((n, n), 0), _iota((n, n), 1)
+    return r > c if strict else r >= c
+
+
+def _dl(dA, a_hi, a_lo, t_hi, t_lo):
     """dL = -A^T dA A^T on the strict lower triangle (dA masked to rows >= cols first), both products
     with split-bf16 operands (hi hi + hi lo + lo hi); t_hi, t_lo: two free [C, C] operand buffers."""
-    _split(jnp.where(r_i >= c_i, dA, 0.0), t_hi, t_lo)
+    _split(jnp.where(_lower(dA.shape[0]), dA, 0.0), t_hi, t_lo)
     plgpu.commit_smem()
 
     def r_dot(acc):                                       # A^T dA
@@ -82,12 +93,15 @@ def _dl(dA, r_i, c_i, a_hi, a_lo, t_hi, t_lo):
         plgpu.wgmma(acc, t_hi, a_lo.T)
         plgpu.wgmma(acc, t_lo, a_hi.T)
         return acc[...]
-    return jnp.where(r_i > c_i, -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
+    return jnp.where(_lower(dA.shape[0], strict=True), -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
 
 
-def _const_load(ref, layout=_WG):
-    """The "hbm_loads" profiling ablation's stand-in for _load: a constant in the same layout."""
-    return plgpu.layout_cast(jnp.full(ref.shape, 0.5, F32), layout)
+def _staging(shape, dtype):
+    """A TMA destination in SMEM, tiled and swizzled for its minor dimension (128-byte swizzle for
+    64 bf16 / 32 fp32 columns), read back into registers with _load(..., smem=False)."""
+    swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
 def _check_shapes(arrays, want, context):
@@ -138,8 +152,9 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
     Returns (as bwd.intra_bwd_a with gate_cumsum=True): dv [B, T, H, V] bf16 and dbeta [B, T, H]
       fp32 (final, token-major); head-major fp32 partial dq, dk, dG [B, H, T, K], dG_last
       [B, H, T / 64, K], the score gradients dM, dAqk [B, H, T, 64].
-    _ablate: PRIVATE profiling option (timing only, results WRONG): "hbm_loads" (every direct HBM
-      read replaced by a constant; the TMA copies stay), "dL" (the exact dL products skipped).
+    _ablate: PRIVATE profiling option (timing only, results WRONG): "input_copies" (the TMA copies of
+      phases 1-4 below skipped, their SMEM read as it is; the states' copies stay), "dL" (the exact
+      dL products skipped).
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes or shapes,
       an unknown _ablate name.
     """
@@ -147,88 +162,117 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
     ablate = frozenset(_ablate)
     if not ablate <= set(ABLATIONS):
         raise ValueError(f"_ablate={_ablate} must name some of {ABLATIONS}")
-    ld = _const_load if "hbm_loads" in ablate else _load
     C, KH, BH = CHUNK, K // HALF, B * H
 
     def body(q_ref, k_ref, v_ref, G_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref, w_ref, u_ref, A_ref,
              M_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dg_ref, dgl_ref, dm_ref, daqk_ref,
-             h_s, dh_s, do_s, w_s, du_s, vp_s, x_s, a_hi, a_lo, t_hi, t_lo, bar):
+             w_s, du_s, vp_s, x_s, a_hi, a_lo, states, staged, *bars):
+        (h_s, dh_s, do_s), (t_hi, t_lo, v_in, m_in) = states
+        (w_in, u_in), (du_in, a_in), (g_in, q_in, k_in) = staged
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
-        for kh in range(KH):
-            cols = pl.ds(kh * HALF, HALF)
-            plgpu.copy_gmem_to_smem(h_ref.at[bh, c, :, cols], h_s.at[kh], bar.at[0])
-            plgpu.copy_gmem_to_smem(dh_ref.at[bh, c, :, cols], dh_s.at[kh], bar.at[0])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hh], do_s, bar.at[0])
+        halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
 
-        # the fp32 operands, rounded to bf16 while the loads fly (A also split for the exact dots)
+        def fetch(phase, copies):         # phases 1-4; one barrier per phase, each used once per CTA
+            if "input_copies" not in ablate:
+                for src, dst in copies:
+                    plgpu.copy_gmem_to_smem(src, dst, bars[phase])
+
+        def arrived(phase):
+            if phase == 0 or "input_copies" not in ablate:
+                plgpu.barrier_wait(bars[phase])
+
+        # phase 0: the states and dO (operands); phase 1: W and U
         for kh in range(KH):
-            w_s.at[kh][...] = ld(w_ref.at[bh, rows, pl.ds(kh * HALF, HALF)]).astype(BF16)
-        du_s[...] = ld(du_ref.at[bh, rows]).astype(BF16)
-        _split(ld(A_ref.at[bh, rows]), a_hi, a_lo)
-        beta_c = ld(beta_ref.at[bh, rows], _ROW)[:, None]
-        r_i, c_i = _iota((C, C), 0), _iota((C, C), 1)
+            plgpu.copy_gmem_to_smem(h_ref.at[bh, c, :, halves[kh]], h_s.at[kh], bars[0])
+            plgpu.copy_gmem_to_smem(dh_ref.at[bh, c, :, halves[kh]], dh_s.at[kh], bars[0])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hh], do_s, bars[0])
+        fetch(1, [(w_ref.at[bh, rows, halves[kh]], w_in.at[kh]) for kh in range(KH)]
+              + [(u_ref.at[bh, rows], u_in)])
+        # beta: one 256-byte read straight from HBM
+        beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]
+        arrived(1)
+        for kh in range(KH):
+            w_s.at[kh][...] = _load(w_in.at[kh]).astype(BF16)
         plgpu.commit_smem()
-        plgpu.barrier_wait(bar.at[0])
+        arrived(0)
 
         def vp_dot(acc):                                  # W S = sum over halves W_h (St_h)^T
             for kh in range(KH):
                 plgpu.wgmma(acc, w_s.at[kh], h_s.at[kh].T)
             return acc[...]
-        vp_s[...] = (ld(u_ref.at[bh, rows]) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
-        plgpu.commit_smem()
+        vp_s[...] = (_load(u_in) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
+        plgpu.commit_smem()                               # also: every read of w_in, u_in is done
+
+        # phase 2: dU and A (rounded / split into operands while dO V'^T runs)
+        fetch(2, [(du_ref.at[bh, rows], du_in), (A_ref.at[bh, rows], a_in)])
 
         def daqk_dot(acc):                                # dO V'^T
             plgpu.wgmma(acc, do_s, vp_s.T)
             return acc[...]
-        daqk_ref.at[bh, rows][...] = jnp.where(r_i >= c_i, pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
+        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C), pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
+        arrived(2)
+        du_s[...] = _load(du_in).astype(BF16)
+        _split(_load(a_in), a_hi, a_lo)
+        plgpu.commit_smem()                               # also: every read of du_in, a_in is done
 
-        dbeta = jnp.zeros((C,), F32)
-        for kh in range(KH):
+        # phase 3: G, q, k
+        fetch(3, [(G_ref.at[b, rows, hh, halves[kh]], g_in.at[kh]) for kh in range(KH)]
+              + [(q_ref.at[b, rows, hh, halves[kh]], q_in.at[kh]) for kh in range(KH)]
+              + [(k_ref.at[b, rows, hh, halves[kh]], k_in.at[kh]) for kh in range(KH)])
+        arrived(3)
+
+        def half_step(kh, dbeta):                          # one K half (a loop: half the code)
             cols = pl.ds(kh * HALF, HALF)
-            g_h = ld(G_ref.at[b, rows, hh, cols])
-            gl_v = ld(G_ref.at[b, c * C + C - 1, hh, cols], _COL)
-            q_h = ld(q_ref.at[b, rows, hh, cols])
-            k_h = ld(k_ref.at[b, rows, hh, cols])
-            eg = jnp.exp(g_h)
-
-            def half_dots(a_kd, a_qg, a_dw):          # V' dS^T, dO S^T, dU S^T on this half
-                plgpu.wgmma(a_kd, vp_s, dh_s.at[kh])
-                plgpu.wgmma(a_qg, do_s, h_s.at[kh])
-                plgpu.wgmma(a_dw, du_s, h_s.at[kh])
-                return a_kd[...], a_qg[...], a_dw[...]
-            dkd, dqg, dw = pl.run_scoped(half_dots, *[plgpu.ACC((C, HALF), F32)] * 3)
+            # one [C, HALF] product at a time, consumed at once (one warpgroup: 255 registers a thread)
+            def dw_dot(acc):                              # dU S^T on this half
+                plgpu.wgmma(acc, du_s, h_s.at[kh])
+                return acc[...]
             # w_s's half kh is free: every warp's wgmma reading it (V') finished before the commit
             # that followed vp_s's store
-            w_s.at[kh][...] = (-dw).astype(BF16)
-            x = beta_c * eg * k_h
-            x_s.at[kh][...] = x.astype(BF16)
+            w_s.at[kh][...] = (-pl.run_scoped(dw_dot, plgpu.ACC((C, HALF), F32))).astype(BF16)
+            eg = jnp.exp(_load(g_in.at[kh]))
+            x_s.at[kh][...] = (beta_c * eg * _load(k_in.at[kh], smem=True)).astype(BF16)
             plgpu.commit_smem()
-
-            dq = scale * eg * dqg
-            dk = jnp.exp(gl_v[None, :] - g_h) * dkd
-            t = k_h * dk
-            dG = q_h * dq - t
-            st = _load(h_s.at[kh], smem=True)
-            dst = _load(dh_s.at[kh], smem=True)
-            dgl = jnp.exp(gl_v) * jnp.sum(st * dst, axis=0) + jnp.sum(t, axis=0)
 
             def dx_dot(acc):                              # A^T dW on this half
                 plgpu.wgmma(acc, a_hi.T, w_s.at[kh])
                 return acc[...]
-            dx = pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32))
-            dk = dk + beta_c * eg * dx
-            dG = dG + x * dx
-            dbeta = dbeta + jnp.sum(eg * k_h * dx, axis=1)
-            dq_ref.at[bh, rows, cols][...] = dq
-            dk_ref.at[bh, rows, cols][...] = dk
-            dg_ref.at[bh, rows, cols][...] = dG
-            dgl_ref.at[bh, c, cols][...] = dgl
+            egdx = eg * pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32))
+            dk_x = beta_c * egdx                          # dX's share of dk
+            kdx = _load(k_in.at[kh], smem=True) * egdx
+            dbeta = dbeta + jnp.sum(kdx, axis=1)
+            dG = beta_c * kdx                             # and of dG
 
+            def qg_dot(acc):                              # dO S^T on this half
+                plgpu.wgmma(acc, do_s, h_s.at[kh])
+                return acc[...]
+            dq = scale * eg * pl.run_scoped(qg_dot, plgpu.ACC((C, HALF), F32))
+            dq_ref.at[bh, rows, cols][...] = dq
+            dG = dG + _load(q_in.at[kh], smem=True) * dq
+
+            def kd_dot(acc):                              # V' dS^T on this half
+                plgpu.wgmma(acc, vp_s, dh_s.at[kh])
+                return acc[...]
+            g_h = _load(g_in.at[kh])
+            gl_v = jnp.sum(jnp.where(_iota((C, HALF), 0) == C - 1, g_h, 0.0), axis=0)   # G's last row
+            dk = jnp.exp(gl_v[None, :] - g_h) * pl.run_scoped(kd_dot, plgpu.ACC((C, HALF), F32))
+            t = _load(k_in.at[kh], smem=True) * dk
+            dg_ref.at[bh, rows, cols][...] = dG - t
+            dk_ref.at[bh, rows, cols][...] = dk + dk_x
+            sts = sum(jnp.sum(_load(h_s.at[kh, pl.ds(i * C, C)], smem=True)
+                              * _load(dh_s.at[kh, pl.ds(i * C, C)], smem=True), axis=0) for i in range(V // C))
+            dgl_ref.at[bh, c, cols][...] = jnp.exp(gl_v) * sts + jnp.sum(t, axis=0)
+            return dbeta
+        dbeta = lax.fori_loop(0, KH, half_step, jnp.zeros((C,), F32))
+        plgpu.commit_smem()                               # every read of h_s, dh_s, do_s is done
+
+        # phase 4 (into the states' SMEM): v and M
+        fetch(4, [(v_ref.at[b, rows, hh], v_in), (M_ref.at[bh, rows], m_in)])
+        arrived(4)
         # the V side: Y = beta v into V''s buffer (its last wgmma reads finished before the commits above)
-        v_c = ld(v_ref.at[b, rows, hh])
-        vp_s[...] = (beta_c * v_c).astype(BF16)
+        vp_s[...] = (beta_c * _load(v_in, smem=True)).astype(BF16)
         plgpu.commit_smem()
 
         def dy_da_dots(a_dy, a_da):                       # A^T dU; dW X^T + dU Y^T
@@ -239,28 +283,36 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             return a_dy[...], a_da[...]
         dy, dA = pl.run_scoped(dy_da_dots, plgpu.ACC((C, V), F32), plgpu.ACC((C, C), F32))
         dv_ref.at[b, rows, hh][...] = (beta_c * dy).astype(dv_ref.dtype)
-        dbeta = dbeta + jnp.sum(v_c * dy, axis=1)
+        dbeta = dbeta + jnp.sum(_load(v_in, smem=True) * dy, axis=1)
 
         if "dL" in ablate:                                # profiling: the exact dL products skipped
-            dL = jnp.where(r_i > c_i, -dA, 0.0)
+            dL = jnp.where(_lower(C, strict=True), -dA, 0.0)
         else:
-            dL = _dl(dA, r_i, c_i, a_hi, a_lo, t_hi, t_lo)
-        dbeta = dbeta + jnp.sum(dL * ld(M_ref.at[bh, rows]), axis=1)
+            dL = _dl(dA, a_hi, a_lo, t_hi, t_lo)
+        dbeta = dbeta + jnp.sum(dL * _load(m_in), axis=1)
         dm_ref.at[bh, rows][...] = beta_c * dL
         dbeta_ref.at[bh, rows][...] = dbeta
 
     out_type = (jax.ShapeDtypeStruct((B, T, H, V), BF16), jax.ShapeDtypeStruct((BH, T), F32),
                 *[jax.ShapeDtypeStruct((BH, T, K), F32)] * 3, jax.ShapeDtypeStruct((BH, NT, K), F32),
                 *[jax.ShapeDtypeStruct((BH, T, C), F32)] * 2)
+    # SMEM (K = V = 128): the operands 80 KiB; the states and dO (phase 0), later the dL operands, v
+    # and M (phase 4), 80 KiB; the staged inputs of phases 1 / 2 / 3, 64 KiB at most.
+    states = plgpu.RefUnion(
+        (_operand((KH, V, HALF)), _operand((KH, V, HALF)), _operand((C, V))),
+        (_operand((C, C)), _operand((C, C)), _operand((C, V)), _staging((C, C), F32)))
+    staged = plgpu.RefUnion(
+        (_staging((KH, C, HALF), F32), _staging((C, V), F32)),
+        (_staging((C, V), F32), _staging((C, C), F32)),
+        (_staging((KH, C, HALF), F32), _operand((KH, C, HALF)), _operand((KH, C, HALF))))
     kernel = plgpu.kernel(
         body, out_type=out_type,
-        scratch_types=[_operand((KH, V, HALF)), _operand((KH, V, HALF)), _operand((C, V)),
-                       _operand((KH, C, HALF)), _operand((C, V)), _operand((C, V)), _operand((KH, C, HALF)),
-                       _operand((C, C)), _operand((C, C)), _operand((C, C)), _operand((C, C)),
-                       plgpu.Barrier(num_arrivals=2 * KH + 1, num_barriers=1)],
+        scratch_types=[_operand((KH, C, HALF)), _operand((C, V)), _operand((C, V)), _operand((KH, C, HALF)),
+                       _operand((C, C)), _operand((C, C)), states, staged,
+                       *[plgpu.Barrier(num_arrivals=n) for n in (2 * KH + 1, KH + 1, 2, 3 * KH, 2)]],
         grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
-    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows for one load each
+    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows for one copy each
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(
         q, k, v, G, beta_hm, do, flat(du), flat(h), flat(dh), flat(w), flat(u), flat(A), flat(M))
     hm = lambda x: x.reshape(B, H, *x.shape[1:])   # noqa: E731
