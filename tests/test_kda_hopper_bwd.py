@@ -64,12 +64,16 @@ class TestHopperIntraBwd:
         # dv 8e-10, dq / dk / dG / dG_last 8e-8, dbeta 2.7e-6, dM 4.8e-6, dAqk 1.6e-5.
         _check_matches_triton((B, T, H, K, V), True, 1e-4)
 
-    def test_no_smem_races(self):
-        # The TMA copies against the generic reads of their buffers (one chunk: one block). The
-        # interpreter runs wgmma synchronously in the issuing thread, so the fences before each
-        # wgmma and the barriers before the reuse of W's, V''s and the dA split's buffers are not
-        # tested here: they rest on review and the compiled GPU tests.
-        args = _inputs(1, 64, 1, 128, 128)
+    @pytest.mark.parametrize("K", [128, 64])
+    def test_no_smem_races(self, K):
+        # The TMA copies of the five phases against the generic reads of their buffers, and the
+        # RefUnion groups (the race detector refuses a read through a group other than the one that
+        # last wrote), one chunk: one block, both loop lengths (K = 128: two halves, K = 64: one).
+        # The interpreter gives each union member its own buffer and runs wgmma synchronously in
+        # the issuing thread, so wgmma reads against later writes into aliased SMEM (phase 4 into
+        # the states' memory) and the fences before each wgmma rest on review and the compiled
+        # GPU tests.
+        args = _inputs(1, 64, 1, K, K)
         assert _no_races(lambda *a, interpret: hopper_bwd.intra_bwd_a(*a, scale=0.1, interpret=interpret), args)
 
     def test_bad_input_raises(self):
@@ -170,8 +174,9 @@ class TestHopperIntraBwdOption:
 @pytest.mark.gpu
 class TestHopperIntraBwdGPU:
     """Compiled on the H200 against the compiled Triton kernel a (bf16 operands). Measured
-    (2026-12-01, kda_hopper_bwd_gpu_tests_round13_h200.log): dv, dq, dAqk identical, dk <= 4e-31,
-    dG 7e-9, dG_last 6e-8, dbeta 6e-7, dM 9e-7 at all three shapes."""
+    (2026-12-01, round 15, kda_round15_h200/v5_gpu_tests.log): dv, dq, dAqk identical, dk <= 7.8e-9,
+    dG <= 1.1e-8, dG_last 6.3e-8, dbeta 5.7e-7, dM 9.4e-7 at all three shapes (fp32
+    reassociation in dk, dG since round 13's kernel: 4e-31, 7e-9)."""
 
     @pytest.mark.parametrize("shape", [(2, 1024, 4, 128, 128), (8, 4096, 16, 128, 128), (2, 1024, 4, 64, 64)])
     def test_matches_triton_kernel_a(self, shape):

@@ -16,14 +16,15 @@ SMEM and an fp32 accumulator (common.BF16_OPERANDS); the two dL products take sp
 [C, K] work is a loop over halves of 64 columns (a loop, not unrolled: the straight-line code of
 both halves overflowed the instruction cache), one [C, 64] product at a time, each consumed before
 the next is issued, so that one warpgroup fits in 255 registers a thread (ptxas: 144 bytes of
-spills, down from ~1 KB); only dA accumulates across the halves.
+spills; 1044 bytes before these two changes); only dA accumulates across the halves.
 
 I/O: every input but beta arrives by TMA in five phases (one barrier each): 0 the states and dO;
-1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then); the fp32
-inputs are staged in SMEM and rounded / split into bf16 operands there. beta is one 256-byte read
+1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). W and dU are
+rounded to bf16 operands and A split into hi / lo operands from their SMEM staging; U, G and M are
+read from theirs as fp32. beta is one 256-byte read
 straight into registers; the outputs are written straight from registers. SMEM: 224 KiB at
 K = V = 128 (one CTA per SM; plgpu.RefUnion shares the staging buffers between phases).
-Measured on the H200 (kda_pallas_notes.md, rounds 13 and 15): kernel a 2.22 ms at 8x4096x16x128
+Measured on the H200 (kda_pallas_notes.md, rounds 14 and 15): kernel a 2.22 ms at 8x4096x16x128
 (the Triton kernel a 6.70; this kernel's first version, direct HBM reads and unrolled halves, 3.79);
 op fwd+bwd 6.91 ms against 11.41 with the Triton kernel a.
 
@@ -54,7 +55,7 @@ def _iota(shape, dim):
 def _load(ref, layout=_WG, smem=False):
     """ref into registers in `layout`, as fp32: Mosaic GPU's "optimized" transfer for the bf16
     operand buffers (smem=True), else the plain one (a vector load per register; GMEM, or the fp32
-    and 1-D staging buffers)."""
+    staging buffers)."""
     return plgpu.load(ref, layout=layout, optimized=smem).astype(F32)
 
 
@@ -153,7 +154,8 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
       fp32 (final, token-major); head-major fp32 partial dq, dk, dG [B, H, T, K], dG_last
       [B, H, T / 64, K], the score gradients dM, dAqk [B, H, T, 64].
     _ablate: PRIVATE profiling option (timing only, results WRONG): "input_copies" (the TMA copies of
-      phases 1-4 below skipped, their SMEM read as it is; the states' copies stay), "dL" (the exact
+      phases 1-4 of the module docstring skipped, their SMEM read as it is; phase 0's copies of the
+      states and dO stay), "dL" (the exact
       dL products skipped).
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes or shapes,
       an unknown _ablate name.
@@ -312,7 +314,7 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
                        *[plgpu.Barrier(num_arrivals=n) for n in (2 * KH + 1, KH + 1, 2, 3 * KH, 2)]],
         grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
-    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows for one copy each
+    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(
         q, k, v, G, beta_hm, do, flat(du), flat(h), flat(dh), flat(w), flat(u), flat(A), flat(M))
     hm = lambda x: x.reshape(B, H, *x.shape[1:])   # noqa: E731
