@@ -14,7 +14,7 @@ give dq, dk, dv, dg, dbeta and dh0. On an sm_90 GPU (and in interpret mode) the 
 passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd,
 hopper_fused_output (the forward pass forms o too) and hopper_state_bwd; same math and layouts), and
 so do kernel a of the two-kernel intra backward (hopper_bwd.py, hopper_intra_bwd) and, when asked,
-kernel b (hopper_score_bwd.py, hopper_score_bwd; off by default: slower than the Triton kernel b). The kernels read and write the user's token-major [B, T, H, .]
+kernel b (hopper_score_bwd.py, hopper_score_bwd; off by default: its first version was slower than the Triton kernel b). The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
 g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
@@ -222,8 +222,9 @@ class KernelOptions:
       Measured on the H200 (one process, 2026-12-01, round 15): op forward+backward 11.41 -> 6.91 ms
       at 8x4096x16x128 and 22.35 -> 13.33 ms at 16x2048x32x128; errors vs the fp32 recurrence
       unchanged to three digits.
-    hopper_score_bwd (off: correct on the H200 but slower than the Triton kernel b, 6.00 vs 3.09 ms
-      at 8x4096x16x128, round 14 of kda_pallas_notes.md): kernel b of the
+    hopper_score_bwd (off: its first version was correct on the H200 but slower than the Triton
+      kernel b, 6.00 vs 3.09 ms at 8x4096x16x128, round 14 of kda_pallas_notes.md; the reworked
+      one, round 16, is not yet run on a GPU): kernel b of the
       two-kernel intra-chunk backward (the anchored score-tile backward, bwd.intra_bwd_b) as the
       Mosaic GPU kernel hopper_score_bwd.intra_bwd_b (bwd._score_bwd's masked form as [64, 64]
       wgmma; split-bf16 diagonal tiles as the Triton kernel's bf16x3 dots). Where it applies: bf16
