@@ -40,30 +40,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.hopper import BF16, CHUNK, F32, HEAD_DIMS, _operand, interpret_params
+from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _ROW, _check_shapes, _iota, _load,
+                                      _operand, _split, _staging, interpret_params)
 
-HALF = 64                  # columns of K per step (one 128-byte swizzle tile of bf16)
+HALF = 64                  # columns of K per loop step (one 128-byte swizzle tile of bf16)
 ABLATIONS = ("input_copies", "dL")    # intra_bwd_a's private profiling ablations
-_WG = plgpu.Layout.WGMMA
-_ROW, _COL = _WG.reduce(1), _WG.reduce(0)      # a [C] per-row and a [N] per-column vector
-
-
-def _iota(shape, dim):
-    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), _WG)
-
-
-def _load(ref, layout=_WG, smem=False):
-    """ref into registers in `layout`, as fp32: Mosaic GPU's "optimized" transfer for the bf16
-    operand buffers (smem=True), else the plain one (a vector load per register; GMEM, or the fp32
-    staging buffers)."""
-    return plgpu.load(ref, layout=layout, optimized=smem).astype(F32)
-
-
-def _split(x, hi_s, lo_s):
-    """x fp32 -> hi = bf16(x), lo = bf16(x - hi) into two operand buffers (split-bf16 operands)."""
-    hi = x.astype(BF16)
-    hi_s[...] = hi
-    lo_s[...] = (x - hi.astype(F32)).astype(BF16)
 
 
 def _lower(n, strict=False):
@@ -95,22 +76,6 @@ def _dl(dA, a_hi, a_lo, t_hi, t_lo):
         plgpu.wgmma(acc, t_lo, a_hi.T)
         return acc[...]
     return jnp.where(_lower(dA.shape[0], strict=True), -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
-
-
-def _staging(shape, dtype):
-    """A TMA destination in SMEM, tiled and swizzled for its minor dimension (128-byte swizzle for
-    64 bf16 / 32 fp32 columns), read back into registers with _load(..., smem=False)."""
-    swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
-
-
-def _check_shapes(arrays, want, context):
-    """Raises a ValueError naming every array of `arrays` ({name: array}) whose shape is not
-    want[name], with `context` (what the expected shapes follow from)."""
-    bad = {n: a.shape for n, a in arrays.items() if a.shape != want[n]}
-    if bad:
-        raise ValueError(f"shapes do not match {context}: {bad}; expected { {n: want[n] for n in bad} }")
 
 
 def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):

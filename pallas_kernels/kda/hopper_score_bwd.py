@@ -44,8 +44,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.hopper import BF16, CHUNK, F32, HEAD_DIMS, _operand, interpret_params
-from pallas_kernels.kda.hopper_bwd import _COL, HALF, _check_shapes, _iota, _load, _split, _staging
+from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _check_shapes, _iota, _load, _operand,
+                                      _split, _staging, interpret_params)
+from pallas_kernels.kda.hopper_bwd import HALF
 
 BT = 16                    # row block (diagonal tile) of the anchored scores
 NB = CHUNK // BT
