@@ -216,41 +216,63 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     if unbounded and not gate_cumsum:
         raise ValueError(f"{unbounded=} needs gate_cumsum=True (the diagonal tiles load rows of G "
                          f"from g's ref); got {gate_cumsum=}")
+    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
+    kw = dict(chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
+              segments=segments, _params=_params)
+    qg, kd, aqk, gl, A, *M = intra_fwd_a(q, k, g, beta, scale=scale, factor_dtype=fd, save_solve=save_solve,
+                                         unbounded=unbounded, **kw)
+    w, u = intra_fwd_b(k, v, g, beta, A, factor_dtype=fd, **kw)
+    return (qg, kd, w, u, aqk, gl) + ((A, M[0]) if save_solve else ())
+
+
+def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool, factor_dtype: tuple,
+                save_solve: bool = False, bf16_dots: bool = False, gate_cumsum: bool = False, segments=None,
+                unbounded: bool = False, _params=None):
+    """Kernel a of intra_fwd_split ("kda_intra_fwd_a"; its args, factor_dtype a 5-tuple): returns qg,
+    kd [B, H, T, K] (factor_dtype[0], [1]), aqk [B, H, T, C] (factor_dtype[4]), gl [B, H, T / C, K]
+    fp32, A [B, H, T, C] fp32 and, with save_solve, M [B, H, T, C] fp32."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
     C = chunk_size
     NT = T // C
-    sp = cm.chunk_specs(C, K, V)
-    ik, iv, ib, tk, tv, ta, tg = sp.ik, sp.iv, sp.ib, sp.tk, sp.tv, sp.ta, sp.tg
-    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
+    sp = cm.chunk_specs(C, K, K)
+    fd = factor_dtype
     segmented = segments is not None
     flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=segmented,
                                   unbounded=unbounded)
-    params = _params or cm.INTRA_PARAMS
-    seg_in = [segments] if segmented else []
-    seg_spec = [cm.seg_spec(C)] if segmented else []
-    outs = pl.pallas_call(
+    return tuple(pl.pallas_call(
         functools.partial(_intra_fwd_a_kernel, scale=scale, dtype=q.dtype, flags=flags),
-        grid=(B, H, NT), in_specs=[ik, ik, ik, ib] + seg_spec,
-        out_specs=[tk, tk, ta, tg, ta] + ([ta] if save_solve else []),
+        grid=(B, H, NT), in_specs=[sp.ik, sp.ik, sp.ik, sp.ib] + ([cm.seg_spec(C)] if segmented else []),
+        out_specs=[sp.tk, sp.tk, sp.ta, sp.tg, sp.ta] + ([sp.ta] if save_solve else []),
         out_shape=[jax.ShapeDtypeStruct((B, H, T, K), fd[0]),
                    jax.ShapeDtypeStruct((B, H, T, K), fd[1]),
                    jax.ShapeDtypeStruct((B, H, T, C), fd[4]),
                    jax.ShapeDtypeStruct((B, H, NT, K), F32),
                    jax.ShapeDtypeStruct((B, H, T, C), F32)]
                   + ([jax.ShapeDtypeStruct((B, H, T, C), F32)] if save_solve else []),
-        interpret=interpret, compiler_params=params, name="kda_intra_fwd_a",
-    )(q, k, g, beta, *seg_in)
-    qg, kd, aqk, gl, A = outs[:5]
-    w, u = pl.pallas_call(
-        functools.partial(_intra_fwd_b_kernel, dtype=q.dtype, flags=flags),
-        grid=(B, H, NT), in_specs=[ik, iv, ik, ib, ta] + seg_spec,
-        out_specs=[tk, tv],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), fd[2]),
-                   jax.ShapeDtypeStruct((B, H, T, V), fd[3])],
-        interpret=interpret, compiler_params=params, name="kda_intra_fwd_b",
-    )(k, v, g, beta, A, *seg_in)
-    return (qg, kd, w, u, aqk, gl) + ((A, outs[5]) if save_solve else ())
+        interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_fwd_a",
+    )(q, k, g, beta, *([segments] if segmented else [])))
+
+
+def intra_fwd_b(k, v, g, beta, A, *, chunk_size: int, interpret: bool, factor_dtype: tuple,
+                bf16_dots: bool = False, gate_cumsum: bool = False, segments=None, _params=None):
+    """Kernel b of intra_fwd_split ("kda_intra_fwd_b", fla's recompute_w_u; its args, A from kernel
+    a, factor_dtype a 5-tuple): returns W [B, H, T, K] (factor_dtype[2]) and U [B, H, T, V]
+    (factor_dtype[3])."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    sp = cm.chunk_specs(C, K, V)
+    segmented = segments is not None
+    flags = cm.split_kernel_flags(k.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=segmented,
+                                  unbounded=False)       # kernel b has no diagonal tiles
+    return tuple(pl.pallas_call(
+        functools.partial(_intra_fwd_b_kernel, dtype=k.dtype, flags=flags),
+        grid=(B, H, T // C), in_specs=[sp.ik, sp.iv, sp.ik, sp.ib, sp.ta] + ([cm.seg_spec(C)] if segmented else []),
+        out_specs=[sp.tk, sp.tv],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), factor_dtype[2]),
+                   jax.ShapeDtypeStruct((B, H, T, V), factor_dtype[3])],
+        interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_fwd_b",
+    )(k, v, g, beta, A, *([segments] if segmented else [])))
 
 
 
