@@ -1,7 +1,7 @@
 """Kernel b of the intra-chunk backward on Hopper (the anchored score-tile backward),
 pallas_kernels.kda.hopper_score_bwd.intra_bwd_b, and its dispatch (ops.KernelOptions.hopper_score_bwd,
-off by default: its first version was correct on the H200 but slower than the Triton kernel b; the
-reworked one is not yet measured).
+off by default: correct on the H200 but no faster in the op than the Triton kernel b, rounds 14
+and 16 of kda_pallas_notes.md).
 
 Held to the Triton kernel b (bwd.intra_bwd_b, bf16 operands, gate cumsum outside; its masked form,
 whose sums it computes, and the compact default) in Mosaic GPU interpret mode on CPU, lowered for

@@ -30,8 +30,11 @@ Measured on the H200 (2026-12-01, round 14 of kda_pallas_notes.md), its first ve
 reads, both halves unrolled, three accumulators live): correct (compiled against the compiled Triton
 kernel b: dq 2.3e-5, dk 3.1e-5, dg 2.2e-6 RMS ratios at 8x4096x16x128) but slower, 6.00 ms against
 the Triton kernel b's 3.09 (op fwd+bwd 11.25 vs 8.28), ptxas: 2.3 KB of register spills a thread.
-This version (round 16: kernel a's round-15 remedies) is NOT YET RUN ON A GPU (interpret mode and
-CUDA lowering only); ops.KernelOptions.hopper_score_bwd stays off until it is measured.
+This version (round 16: kernel a's round-15 remedies), measured on the H200 (2026-12-01 18:26 UTC,
+kda_round16_h200/): correct (dq 2.3e-5, dk 2.7e-5 / 3.1e-5, dg 2.1e-6 RMS ratios), 2.72 ms against
+the Triton kernel b's 2.85 in the kernel rows, ptxas 1.4 KB of spills; in the op forward+backward
+6.86 -> 6.74 ms at 8x4096x16x128 and 15.58 -> 15.63 at 1x65536x16x128, within the rows' spread, so
+ops.KernelOptions.hopper_score_bwd stays off.
 Unbounded gates keep the Triton kernel's exact diagonal tiles.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward (anchored
 16-token sub-chunks as fla's safe_gate path); Mosaic GPU API of jax 0.11.2.

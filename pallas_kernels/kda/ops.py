@@ -14,7 +14,9 @@ give dq, dk, dv, dg, dbeta and dh0. On an sm_90 GPU (and in interpret mode) the 
 passes run as Mosaic GPU kernels instead (hopper.py: TMA loads, wgmma; KernelOptions.hopper_state_fwd,
 hopper_fused_output (the forward pass forms o too) and hopper_state_bwd; same math and layouts), and
 so do kernel a of the two-kernel intra backward (hopper_bwd.py, hopper_intra_bwd) and, when asked,
-kernel b (hopper_score_bwd.py, hopper_score_bwd; off by default: its first version was slower than the Triton kernel b). The kernels read and write the user's token-major [B, T, H, .]
+kernel b (hopper_score_bwd.py, hopper_score_bwd; off by default: not faster than the Triton kernel b in
+the op) and kernel a of the two-kernel intra forward (hopper_fwd.py, hopper_intra_fwd; off by default:
+not yet measured). The kernels read and write the user's token-major [B, T, H, .]
 tensors directly (BlockSpecs). XLA work around them: zero padding / slicing when T is not a
 multiple of 64 or K, V not a power of two, slicing the split's transition outputs, the fp32 cast of
 g, and with segment_ids the per-chunk document offsets (common.document_offsets). With the default
@@ -65,7 +67,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, hopper_bwd, hopper_score_bwd, split
+from pallas_kernels.kda import bwd, common, cumsum, fwd, hopper, hopper_bwd, hopper_fwd, hopper_score_bwd, split
 
 CHUNK_SIZE = 64
 MIN_LOWER_BOUND = -5.0     # 16 tokens x 5 nats = 80 < log(fp32/bf16 max) = 88.7
@@ -222,9 +224,10 @@ class KernelOptions:
       Measured on the H200 (one process, 2026-12-01, round 15): op forward+backward 11.41 -> 6.91 ms
       at 8x4096x16x128 and 22.35 -> 13.33 ms at 16x2048x32x128; errors vs the fp32 recurrence
       unchanged to three digits.
-    hopper_score_bwd (off: its first version was correct on the H200 but slower than the Triton
-      kernel b, 6.00 vs 3.09 ms at 8x4096x16x128, round 14 of kda_pallas_notes.md; the reworked
-      one, round 16, is not yet run on a GPU): kernel b of the
+    hopper_score_bwd (off: correct on the H200 but no faster in the op than the Triton kernel b;
+      round 14's version 6.00 vs 3.09 ms kernel rows at 8x4096x16x128, round 16's 2.72 vs 2.85 ms,
+      op forward+backward 6.86 -> 6.74 ms at 8x4096x16 and 15.58 -> 15.63 at 1x65536x16, within the
+      rows' spread; kda_pallas_notes.md): kernel b of the
       two-kernel intra-chunk backward (the anchored score-tile backward, bwd.intra_bwd_b) as the
       Mosaic GPU kernel hopper_score_bwd.intra_bwd_b (bwd._score_bwd's masked form as [64, 64]
       wgmma; split-bf16 diagonal tiles as the Triton kernel's bf16x3 dots). Where it applies: bf16
@@ -232,6 +235,13 @@ class KernelOptions:
       (lower_bound set; with lower_bound=None the Triton kernel's exact diagonal tiles run), padded
       K in hopper.HEAD_DIMS, compiled on a compute-capability-9.x GPU or in interpret mode; with
       either kernel a (segment_ids only reach kernel a). Elsewhere the Triton kernel b runs.
+    hopper_intra_fwd (off: round 17 of kda_pallas_notes.md, not yet run on a GPU): kernel a of the
+      two-kernel intra-chunk forward (the anchored scores and (I + beta M)^-1, fwd.intra_fwd_a) as
+      the Mosaic GPU kernel hopper_fwd.intra_fwd_a (the same bf16-operand products as [64, K] x
+      [K, 64] and [64, 64] x [64, 64] wgmma); the Triton kernel b (W, U) still reads its A. Where it
+      applies: bf16 inputs with bf16_intra_dots, xla_gate_cumsum and split_intra_fwd, bounded
+      gates, no segment_ids, padded K in hopper.HEAD_DIMS, compiled on a compute-capability-9.x GPU
+      or in interpret mode; elsewhere the Triton kernel a runs.
     """
 
     split_intra_bwd: bool = True
@@ -249,6 +259,7 @@ class KernelOptions:
     hopper_fused_output: bool = True
     hopper_intra_bwd: bool = True
     hopper_score_bwd: bool = False
+    hopper_intra_fwd: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -258,7 +269,7 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
                                hopper_fused_output=False, hopper_intra_bwd=False,
-                               hopper_score_bwd=False)
+                               hopper_score_bwd=False, hopper_intra_fwd=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -271,15 +282,16 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
                                   hopper_fused_output=True, hopper_intra_bwd=True,
-                                  hopper_score_bwd=False)
+                                  hopper_score_bwd=False, hopper_intra_fwd=False)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
-# backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b, which
-# is not used for unbounded gates whatever it says): unbounded gates run with
+# backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
+# forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
-                     "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd")
+                     "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd",
+                     "hopper_intra_fwd")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -451,6 +463,33 @@ def use_hopper_score_bwd(q, unbounded, interpret, options) -> bool:
     return options.hopper_score_bwd and not unbounded and _hopper_split_bwd(q, interpret, options)
 
 
+def use_hopper_intra_fwd(q, unbounded, rel, interpret, options) -> bool:
+    """Whether kernel a of the intra-chunk forward runs hopper_fwd.intra_fwd_a
+    (KernelOptions.hopper_intra_fwd); q: the padded token-major queries, rel the document offsets
+    (None without segment_ids)."""
+    return (options.hopper_intra_fwd and options.split_intra_fwd and options.bf16_intra_dots
+            and options.xla_gate_cumsum and not unbounded and rel is None
+            and q.shape[-1] in hopper.HEAD_DIMS and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+            and (bool(interpret) or hopper.is_hopper()))
+
+
+def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, unbounded, save_solve):
+    """The intra-chunk forward: fwd.intra_fwd (one or two Triton kernels), or with
+    use_hopper_intra_fwd the Mosaic GPU kernel a and the Triton kernel b; same outputs (qg, kd, w,
+    u, aqk, gl, and A, M with save_solve)."""
+    fd = factor_dtypes(q.dtype)
+    if not use_hopper_intra_fwd(q, unbounded, rel, interpret, options):
+        return fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                             factor_dtype=fd, save_solve=save_solve, bf16_dots=options.bf16_intra_dots,
+                             gate_cumsum=options.xla_gate_cumsum, segments=rel,
+                             split=options.split_intra_fwd, unbounded=unbounded)
+    qg, kd, aqk, gl, A, *M = hopper_fwd.intra_fwd_a(q, k, g, beta, scale=scale, save_solve=save_solve,
+                                                    interpret=interpret)
+    w, u = fwd.intra_fwd_b(k, v, g, beta, A, chunk_size=chunk_size, interpret=interpret, factor_dtype=fd,
+                           bf16_dots=True, gate_cumsum=True)
+    return (qg, kd, w, u, aqk, gl) + ((A, M[0]) if save_solve else ())
+
+
 def _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, *, scale, chunk_size, interpret, options,
                unbounded):
     """The intra-chunk backward: the Triton kernels (bwd.intra_bwd, one or two kernels), with kernel a
@@ -502,10 +541,8 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
     """
     if options.xla_gate_cumsum:
         g = _gate_cumsum(g, chunk_size, options, interpret)
-    fac = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                        factor_dtype=factor_dtypes(q.dtype), bf16_dots=options.bf16_intra_dots,
-                        gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                        split=options.split_intra_fwd, unbounded=unbounded)
+    fac = _intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                     options=options, unbounded=unbounded, save_solve=False)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -519,11 +556,8 @@ def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks,
     # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
     if options.xla_gate_cumsum:
         g = _gate_cumsum(g, chunk_size, options, interpret)
-    *fac, A, M = fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
-                               interpret=interpret, factor_dtype=factor_dtypes(q.dtype),
-                               save_solve=True, bf16_dots=options.bf16_intra_dots,
-                               gate_cumsum=options.xla_gate_cumsum, segments=rel,
-                               split=options.split_intra_fwd, unbounded=unbounded)
+    *fac, A, M = _intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                            options=options, unbounded=unbounded, save_solve=True)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)

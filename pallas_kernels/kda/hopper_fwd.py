@@ -1,0 +1,184 @@
+"""Hopper (sm_90) Mosaic GPU kernel a of the intra-chunk forward: the anchored scores and the solve.
+
+`intra_fwd_a` is a drop-in for kernel a of fwd.intra_fwd_split ("kda_intra_fwd_a") with bounded
+gates and the op's default options (bf16_dots=True, gate_cumsum=True, no segment_ids), one
+warpgroup per (batch x head, chunk of 64 tokens). The math is common.solve_factors' with the
+BF16_OPERANDS dots: with the 16-row blocks r, their anchors anc_0 = 0, anc_r = G_{16 r - 1} and
+ea = e^{G - anc(row)} (<= 1),
+  M    = rows of block r of (k ea) (k e^{anc_r - G})^T, r = 0..3, strictly lower;
+  Aqk  = rows of block r of (scale q ea) (k e^{anc_r - G})^T, lower incl. the diagonal;
+  A    = (I + beta M)^-1 by common.unit_lower_inverse's recursive blocked substitution
+         (D <- D - (D Loff_s) D for s = 2, 4, .., 32, both products with bf16 operands);
+  qg   = scale q e^{G},  kd = k e^{G_last - G},  gl = e^{G_last}.
+Each score product is a wgmma [64, K] x [K, 64] with bf16 operands (e^{anc_r - G} <= e^{16 |lb|}
+on the rows of blocks <= r, 1 on later rows, whose products the row select drops), each solve
+product a wgmma [64, 64] x [64, 64]; the four row blocks and the five solve levels are loops (one
+traced body each: kernel a of the backward overflowed the instruction cache unrolled, round 15 of
+kda_pallas_notes.md), one pair of accumulators live at a time.
+I/O: q, k and G by TMA per K half (one barrier); beta, G's anchor rows and G_last straight from HBM;
+the outputs written straight from registers. SMEM: 160 KiB at K = 128.
+
+NOT YET RUN ON A GPU (round 17 of kda_pallas_notes.md): interpret mode and CUDA lowering on CPU
+only; ops.KernelOptions.hopper_intra_fwd stays off until it is measured.
+Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s forward (anchored 16-token
+sub-chunks as fla's safe_gate path; fla's solve_tril merges); Mosaic GPU API of jax 0.11.2.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _ROW, _WG, _check_shapes, _iota, _load,
+                                      _operand, _staging, interpret_params)
+from pallas_kernels.kda.hopper_bwd import HALF
+
+BT = 16                    # row block (diagonal tile) of the anchored scores
+NB = CHUNK // BT
+LEVELS = 5                 # solve merges: blocks of 2 -> 4 -> .. -> 64
+
+
+def _check(q, k, G, beta):
+    B, T, H, K = q.shape
+    if T % CHUNK:
+        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"K = {K} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
+    if q.dtype != BF16 or k.dtype != BF16:
+        raise ValueError(f"q and k must be bf16; got {q.dtype}, {k.dtype}")
+    if G.dtype != F32:
+        raise ValueError(f"G must be fp32 (the chunk cumsum of g); got {G.dtype}")
+    if not jnp.issubdtype(beta.dtype, jnp.floating):
+        raise ValueError(f"beta must be a float array; got {beta.dtype}")
+    _check_shapes(dict(k=k, G=G, beta=beta), dict(k=(B, T, H, K), G=(B, T, H, K), beta=(B, T, H)),
+                  f"q {q.shape} (B, T, H, K)")
+    return B, T, H, K
+
+
+def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
+                interpret: bool | plgpu.InterpretGPUParams = False):
+    """Kernel a of the intra-chunk forward on Hopper (module docstring); chunk 64, bounded gates
+    (every g >= lower_bound >= -5, so e^{anc - G} <= e^80 within a 16-row block).
+
+    Args:
+      q, k: [B, T, H, K] bf16; G: [B, T, H, K] fp32, the chunk-local inclusive cumsum of the
+        log-decay g (nats; the op's xla_gate_cumsum form), token-major as the user's layout;
+      beta: [B, T, H], any float dtype; scale: the query scale;
+      save_solve: also return M (the differentiated forward saves it for the backward);
+      interpret: as hopper.state_fwd.
+    Returns (as fwd.intra_fwd_split's kernel a with bf16 inputs, bf16_dots and gate_cumsum):
+      qg, kd [B, H, T, K] bf16; aqk [B, H, T, 64] bf16 (lower-triangular per chunk); gl
+      [B, H, T / 64, K] fp32 (e^{G_last}, a decay, not a log); A [B, H, T, 64] fp32 ((I + beta M)^-1
+      per chunk); with save_solve also M [B, H, T, 64] fp32 (strictly lower, beta-free).
+    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, q / k not bf16, G not fp32,
+      beta not a float array, or shapes that do not match.
+    """
+    B, T, H, K = _check(q, k, G, beta)
+    C, KH, BH, NT = CHUNK, K // HALF, B * H, T // CHUNK
+
+    def body(q_ref, k_ref, G_ref, beta_ref, qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *rest):
+        m_ref = rest[0] if save_solve else None
+        q_in, k_in, g_in, ak_s, aq_s, bk_s, d_s, l_s, n_s, bar = rest[-10:]
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        rows = pl.ds(c * C, C)
+        halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
+        for kh in range(KH):
+            for src, dst in ((q_ref, q_in), (k_ref, k_in), (G_ref, g_in)):
+                plgpu.copy_gmem_to_smem(src.at[b, rows, hh, halves[kh]], dst.at[kh], bar)
+        beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]          # one 256-byte read
+        rb_k = lax.div(_iota((C, HALF), 0), BT)
+
+        def anchor(r, cols):                 # G_{16 r - 1} [HALF] (r may be traced); 0 for r = 0
+            row = c * C + jnp.maximum(r * BT - 1, 0)
+            return _load(G_ref.at[b, row, hh, cols], _COL) * jnp.asarray(r > 0, F32)
+
+        plgpu.barrier_wait(bar)
+        # the row operands (k ea, scale q ea) and the elementwise outputs, per K half
+        for kh in range(KH):
+            g = _load(g_in.at[kh])
+            kf, qf = _load(k_in.at[kh], smem=True), _load(q_in.at[kh], smem=True)
+            anc_rows = jnp.zeros_like(g)
+            for r in range(1, NB):
+                anc_rows = jnp.where(rb_k == r, anchor(r, halves[kh])[None, :], anc_rows)
+            ea = jnp.exp(g - anc_rows)
+            ak_s.at[kh][...] = (kf * ea).astype(BF16)
+            aq_s.at[kh][...] = (scale * qf * ea).astype(BF16)
+            gl = _load(G_ref.at[b, c * C + C - 1, hh, halves[kh]], _COL)
+            qg_ref.at[bh, rows, halves[kh]][...] = (scale * qf * jnp.exp(g)).astype(BF16)
+            kd_ref.at[bh, rows, halves[kh]][...] = (kf * jnp.exp(gl[None, :] - g)).astype(BF16)
+            gl_ref.at[bh, c, halves[kh]][...] = jnp.exp(gl)
+
+        rb = lax.div(_iota((C, C), 0), BT)
+
+        def score_step(r, carry):            # row block r: its column operand, then M and Aqk's rows
+            m, aqk = carry
+            slot = lax.rem(r, 2)             # two buffers: step r - 1's wgmma may still read the other
+            for kh in range(KH):
+                g = _load(g_in.at[kh])
+                eb = jnp.exp(jnp.where(rb_k <= r, anchor(r, halves[kh])[None, :] - g, 0.0))
+                bk_s.at[slot, kh][...] = (_load(k_in.at[kh], smem=True) * eb).astype(BF16)
+            plgpu.commit_smem()
+
+            def dots(acc_m, acc_q):
+                for kh in range(KH):
+                    plgpu.wgmma(acc_m, ak_s.at[kh], bk_s.at[slot, kh].T)
+                for kh in range(KH):
+                    plgpu.wgmma(acc_q, aq_s.at[kh], bk_s.at[slot, kh].T)
+                return acc_m[...], acc_q[...]
+            s_m, s_q = pl.run_scoped(dots, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
+            return jnp.where(rb == r, s_m, m), jnp.where(rb == r, s_q, aqk)
+
+        zero = plgpu.layout_cast(jnp.zeros((C, C), F32), _WG)
+        m, aqk = lax.fori_loop(0, NB, score_step, (zero, zero))
+        ri, ci = _iota((C, C), 0), _iota((C, C), 1)
+        aqk_ref.at[bh, rows][...] = jnp.where(ri >= ci, aqk, 0.0).astype(BF16)
+        m = jnp.where(ri > ci, m, 0.0)
+        if save_solve:
+            m_ref.at[bh, rows][...] = m
+        L = beta_c * m
+
+        # (I + L)^-1: D starts as the inverse on the 2 x 2 diagonal blocks (exact), then each level
+        # merges pairs of diagonal blocks of size s: D <- D - (D Loff_s) D
+        d0 = jnp.where(ri == ci, 1.0, 0.0) - jnp.where((lax.div(ri, 2) == lax.div(ci, 2)) & (ri > ci), L, 0.0)
+
+        def level(t, d):
+            s = jnp.left_shift(jnp.int32(2), t)
+            rs, cs = lax.div(_iota((C, C), 0), s), lax.div(_iota((C, C), 1), s)
+            slot = lax.rem(t, 2)             # D is read by both products: two buffers, as bk_s
+            d_s.at[slot][...] = d.astype(BF16)
+            l_s[...] = jnp.where((lax.div(rs, 2) == lax.div(cs, 2)) & (rs > cs), L, 0.0).astype(BF16)
+            plgpu.commit_smem()
+
+            def n_dot(acc):                  # D Loff
+                plgpu.wgmma(acc, d_s.at[slot], l_s)
+                return acc[...]
+            n_s[...] = pl.run_scoped(n_dot, plgpu.ACC((C, C), F32)).astype(BF16)
+            plgpu.commit_smem()              # also: every warp's reads of l_s are done
+
+            def nd_dot(acc):                 # (D Loff) D
+                plgpu.wgmma(acc, n_s, d_s.at[slot])
+                return acc[...]
+            return d - pl.run_scoped(nd_dot, plgpu.ACC((C, C), F32))
+
+        a_ref.at[bh, rows][...] = lax.fori_loop(0, LEVELS, level, d0)
+
+    out_type = [jax.ShapeDtypeStruct((BH, T, K), BF16), jax.ShapeDtypeStruct((BH, T, K), BF16),
+                jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32),
+                jax.ShapeDtypeStruct((BH, T, C), F32)]
+    if save_solve:
+        out_type.append(jax.ShapeDtypeStruct((BH, T, C), F32))
+    # SMEM (K = 128): q, k 32 KiB and G 32 KiB staged; the row operands 32 KiB, the column operand
+    # (two buffers) 32 KiB; the solve's D (two buffers), Loff and D Loff 32 KiB
+    kernel = plgpu.kernel(
+        body, out_type=tuple(out_type),
+        scratch_types=[_operand((KH, C, HALF)), _operand((KH, C, HALF)), _staging((KH, C, HALF), F32),
+                       _operand((KH, C, HALF)), _operand((KH, C, HALF)), _operand((2, KH, C, HALF)),
+                       _operand((2, C, C)), _operand((C, C)), _operand((C, C)),
+                       plgpu.Barrier(num_arrivals=3 * KH)],
+        grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
+    beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
+    outs = kernel(q, k, G, beta_hm)
+    return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)

@@ -1,0 +1,180 @@
+"""Kernel a of the intra-chunk forward on Hopper (the anchored scores and the solve),
+pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, off
+by default until it is measured on a GPU: round 17 of kda_pallas_notes.md).
+
+Held to the Triton kernel a (fwd.intra_fwd_a with bf16 operands and the gate cumsum outside) in Mosaic
+GPU interpret mode on CPU, with the interpreter's SMEM race detector, lowered for CUDA on CPU, bad
+input refused; through the op against the option off and against the fp32 path; the `gpu` class runs
+it compiled against the compiled Triton kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import fwd, hopper_fwd, ops
+from tests.kda_testing import assert_rms_close, rms_ratio
+from tests.test_kda_hopper import _no_races
+from tests.test_kda_hopper_bwd import _inputs as _a_inputs
+from tests.test_kda_pallas import GRAD_NAMES, lowered_grad_text, option_ab_inputs, pallas_outputs
+
+NAMES = ("qg", "kd", "aqk", "gl", "A", "M")
+
+
+def _inputs(B, T, H, K, seed=0):
+    """q, k (bf16), G (the chunk cumsum of -5 sigmoid(N(0, 1)), fp32), beta (bf16) as the backward
+    kernels' tests."""
+    q, k, _, G, beta, *_ = _a_inputs(B, T, H, K, K, seed)
+    return q, k, G, beta
+
+
+def _check_matches_triton(shape, interpret, tol):
+    """intra_fwd_a (save_solve) vs the Triton kernel a on the same inputs; tol: {name: RMS-ratio
+    bound}. Returns the ratios."""
+    args = _inputs(*shape)
+    scale = shape[3] ** -0.5
+    out = jax.jit(lambda *a: hopper_fwd.intra_fwd_a(*a, scale=scale, save_solve=True, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: fwd.intra_fwd_a(*a, scale=scale, chunk_size=64, interpret=interpret,
+                                             factor_dtype=ops.factor_dtypes(jnp.bfloat16), save_solve=True,
+                                             bf16_dots=True, gate_cumsum=True))(*args)
+    errs = {}
+    for name, o, r in zip(NAMES, out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, r.shape, o.dtype, r.dtype)
+        errs[name] = assert_rms_close(f"hopper forward kernel a {name} {shape}", r, o, tol[name])
+    return errs
+
+
+class TestHopperIntraFwd:
+
+    @pytest.mark.parametrize("B, T, H, K", [(1, 128, 2, 128), (2, 128, 2, 64)])
+    def test_matches_triton_kernel_a(self, B, T, H, K):
+        # The same products with the same bf16 operand rounding: measured in interpret mode, qg, kd,
+        # gl identical, aqk <= 1.6e-7, M <= 1.1e-7, A <= 7.5e-10 (RMS ratios; fp32 summation order).
+        _check_matches_triton((B, T, H, K), True, dict(qg=1e-6, kd=1e-6, aqk=1e-5, gl=1e-6, A=1e-5, M=1e-5))
+
+    @pytest.mark.parametrize("K", [128, 64])
+    def test_no_smem_races(self, K):
+        # The TMA copies of q, k, G against the generic reads of their buffers, the column operand's
+        # two buffers and the solve's; one chunk (the detector supports one block). wgmma reads
+        # against later writes rest on review and the compiled GPU tests (the interpreter runs wgmma
+        # synchronously).
+        assert _no_races(lambda *a, interpret: hopper_fwd.intra_fwd_a(*a, scale=0.1, save_solve=True,
+                                                                      interpret=interpret), _inputs(1, 64, 1, K))
+
+    def test_bad_input_raises(self):
+        args = list(_inputs(1, 64, 1, 64))
+        run = lambda a: hopper_fwd.intra_fwd_a(*a, scale=0.1, interpret=True)   # noqa: E731
+        for i, bad, match in [(0, args[0].astype(jnp.float32), "must be bf16"),
+                              (2, args[2].astype(jnp.bfloat16), "must be fp32"),
+                              (3, args[3].astype(jnp.int32), "beta must be a float"),
+                              (3, args[3][:, :32], "shapes do not match")]:
+            a = list(args)
+            a[i] = bad
+            with pytest.raises(ValueError, match=match):
+                run(a)
+        with pytest.raises(ValueError, match="must be in"):
+            run([jnp.zeros((1, 64, 1, 32), jnp.bfloat16)] * 2 + [jnp.zeros((1, 64, 1, 32))] + args[3:])
+        with pytest.raises(ValueError, match="multiple of 64"):
+            run([x[:, :32] for x in args])
+
+    @pytest.mark.parametrize("K", [128, 64])
+    def test_lowers_for_cuda(self, K):
+        # Lowering checks the SMEM budget (160 KiB at K = 128) and the layouts.
+        for save_solve in (False, True):
+            f = jax.jit(lambda *a: hopper_fwd.intra_fwd_a(*a, scale=0.1, save_solve=save_solve))
+            text = f.trace(*_inputs(1, 128, 2, K)).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") == 1
+
+
+class TestHopperIntraFwdOption:
+    """ops.KernelOptions.hopper_intra_fwd (off by default): where it applies the op's forward runs
+    hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b."""
+
+    @staticmethod
+    def _count_calls(monkeypatch):
+        calls = []
+        real = hopper_fwd.intra_fwd_a
+        monkeypatch.setattr(hopper_fwd, "intra_fwd_a", lambda *a, **kw: calls.append(kw["save_solve"]) or real(*a, **kw))
+        return calls
+
+    def test_op_matches_option_off(self, monkeypatch, K=64):
+        # Against the same options with the Triton kernel a: the same products, so o, ht and the
+        # gradients agree to fp32 summation order (bf16 outputs: a rounding flip at most). K = 128
+        # runs through the op in test_errors_vs_fp32_unchanged (CI time).
+        calls = self._count_calls(monkeypatch)
+        x, _, do, dht = option_ab_inputs(72, "bfloat16", segments=False, lower_bound=-5.0, V=K, K=K, T=192)
+        base = ops.KernelOptions()
+        o, ht, grads = pallas_outputs(x, do, dht, dataclasses.replace(base, hopper_intra_fwd=True))
+        assert calls == [True]                       # the differentiated forward, M saved
+        o0, ht0, g0 = pallas_outputs(x, do, dht, base)
+        assert_rms_close("hopper_intra_fwd o", o0, o, 1e-3)
+        assert_rms_close("hopper_intra_fwd ht", ht0, ht, 1e-4)
+        for name in GRAD_NAMES:
+            assert_rms_close(f"hopper_intra_fwd {name}", g0[name], grads[name], 1e-3)
+        # the forward-only call (no M)
+        jax.block_until_ready(ops.kda_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], lower_bound=-5.0,
+                                             interpret=True,
+                                             options=dataclasses.replace(base, hopper_intra_fwd=True)))
+        assert calls == [True, False]
+
+    def test_errors_vs_fp32_unchanged(self):
+        # The bf16 outputs' errors against the fp32 path (the same inputs upcast) are the Triton
+        # kernel a's to within 1%.
+        x, _, do, dht = option_ab_inputs(73, "bfloat16", segments=False, lower_bound=-5.0, V=128, K=128, T=128)
+        ref = pallas_outputs({n: a.astype(jnp.float32) for n, a in x.items()}, do, dht, ops.KernelOptions())
+        off = pallas_outputs(x, do, dht, ops.KernelOptions())
+        on = pallas_outputs(x, do, dht, dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=True))
+        for i, name in ((0, "o"), (1, "ht")):
+            e_off, e_on = rms_ratio(ref[i], off[i]), rms_ratio(ref[i], on[i])
+            assert e_on <= 1.01 * e_off + 1e-6, (name, e_on, e_off)
+        for name in GRAD_NAMES:
+            e_off, e_on = rms_ratio(ref[2][name], off[2][name]), rms_ratio(ref[2][name], on[2][name])
+            assert e_on <= 1.01 * e_off + 1e-6, (name, e_on, e_off)
+
+    def test_not_used_where_it_does_not_apply(self, monkeypatch):
+        from pallas_kernels.kda import hopper
+        monkeypatch.setattr(hopper, "is_hopper", lambda device=None: False)       # any host, an H200 too
+        calls = self._count_calls(monkeypatch)
+        sd = jax.ShapeDtypeStruct
+
+        def trace(K, dtype, interpret, lower_bound=-5.0, segments=False, **opts):
+            q, g, beta = sd((1, 128, 1, K), dtype), sd((1, 128, 1, K), jnp.float32), sd((1, 128, 1), dtype)
+            options = dataclasses.replace(ops.KernelOptions(), **{"hopper_intra_fwd": True, **opts})
+            seg = jnp.zeros((1, 128), jnp.int32) if segments else None
+            jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=lower_bound, interpret=interpret, options=options,
+                                              segment_ids=seg)[0]).trace(q, q, q, g, beta)
+        for K, dtype, interpret, lb, segments, opts in [
+                (64, jnp.float32, True, -5.0, False, {}), (32, jnp.bfloat16, True, -5.0, False, {}),
+                (64, jnp.bfloat16, False, -5.0, False, {}), (64, jnp.bfloat16, True, None, False, {}),
+                (64, jnp.bfloat16, True, -5.0, True, {}),
+                (64, jnp.bfloat16, True, -5.0, False, dict(xla_gate_cumsum=False)),
+                (64, jnp.bfloat16, True, -5.0, False, dict(bf16_intra_dots=False)),
+                (64, jnp.bfloat16, True, -5.0, False, dict(split_intra_fwd=False)),
+                (64, jnp.bfloat16, True, -5.0, False, dict(hopper_intra_fwd=False))]:
+            trace(K, dtype, interpret, lb, segments, **opts)
+        assert calls == []
+        trace(64, jnp.bfloat16, True)
+        assert calls == [False]
+
+    def test_op_lowers_for_cuda_on_hopper(self):
+        # With the device taken for an sm_90 GPU and the option on, the gradient lowers with the
+        # forward kernel a as a fourth Mosaic GPU call in place of the Triton kernel a.
+        base = ops.KernelOptions()
+        on = lowered_grad_text(dataclasses.replace(base, hopper_intra_fwd=True), hopper_passes=True)
+        off = lowered_grad_text(base, hopper_passes=True)
+        assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") + 1
+        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
+
+
+@pytest.mark.gpu
+class TestHopperIntraFwdGPU:
+    """Compiled on the H200 against the compiled Triton kernel a."""
+
+    @pytest.mark.parametrize("shape", [(2, 1024, 4, 128), (8, 4096, 16, 128), (2, 1024, 4, 64)])
+    def test_matches_triton_kernel_a(self, shape):
+        errs = _check_matches_triton(shape, False, dict(qg=1e-3, kd=1e-3, aqk=1e-3, gl=1e-5, A=1e-3, M=1e-4))
+        print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
