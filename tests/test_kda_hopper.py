@@ -367,11 +367,13 @@ class TestHopperStateOptions:
         # state passes in place of three Triton kernels (state_fwd_vp + output_fwd, state_bwd);
         # with the three options off, without them.
         from tests.test_kda_pallas import lowered_grad_text
-        # (kernel a of the intra backward, hopper_intra_bwd, is off on both sides: test_kda_hopper_bwd)
-        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_intra_bwd=False), hopper_passes=True)
+        # (the intra kernels a, hopper_intra_bwd and hopper_intra_fwd, are off on both sides:
+        # test_kda_hopper_bwd, test_kda_hopper_fwd)
+        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_intra_bwd=False, hopper_intra_fwd=False),
+                               hopper_passes=True)
         off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_state_fwd=False,
                                                     hopper_state_bwd=False, hopper_fused_output=False,
-                                                    hopper_intra_bwd=False),
+                                                    hopper_intra_bwd=False, hopper_intra_fwd=False),
                                 hopper_passes=True)
         assert on.count("custom_call @mosaic_gpu") == 2 and "mosaic_gpu" not in off
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 3

@@ -163,10 +163,11 @@ class TestHopperIntraBwdOption:
 
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU the op's gradient lowers with kernel a as a third
-        # Mosaic GPU call in place of the Triton kernel a.
-        on = lowered_grad_text(ops.KernelOptions(), hopper_passes=True)
-        off = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_intra_bwd=False),
-                                hopper_passes=True)
+        # Mosaic GPU call in place of the Triton kernel a (the forward's kernel a, hopper_intra_fwd,
+        # off on both sides: test_kda_hopper_fwd).
+        base = dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=False)
+        on = lowered_grad_text(base, hopper_passes=True)
+        off = lowered_grad_text(dataclasses.replace(base, hopper_intra_bwd=False), hopper_passes=True)
         assert on.count("custom_call @mosaic_gpu") == 3 and off.count("custom_call @mosaic_gpu") == 2
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
 

@@ -1,6 +1,6 @@
 """Kernel a of the intra-chunk forward on Hopper (the anchored scores and the solve),
-pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, off
-by default until it is measured on a GPU: round 17 of kda_pallas_notes.md).
+pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, on
+by default since round 17 of kda_pallas_notes.md).
 
 Held to the Triton kernel a (fwd.intra_fwd_a with bf16 operands and the gate cumsum outside) in Mosaic
 GPU interpret mode on CPU, with the interpreter's SMEM race detector, lowered for CUDA on CPU, bad
@@ -91,8 +91,14 @@ class TestHopperIntraFwd:
 
 
 class TestHopperIntraFwdOption:
-    """ops.KernelOptions.hopper_intra_fwd (off by default): where it applies the op's forward runs
+    """ops.KernelOptions.hopper_intra_fwd (on by default): where it applies the op's forward runs
     hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b."""
+
+    ON = ops.KernelOptions()
+    OFF = dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=False)
+
+    def test_on_by_default(self):
+        assert self.ON.hopper_intra_fwd
 
     @staticmethod
     def _count_calls(monkeypatch):
@@ -107,18 +113,16 @@ class TestHopperIntraFwdOption:
         # runs through the op in test_errors_vs_fp32_unchanged (CI time).
         calls = self._count_calls(monkeypatch)
         x, _, do, dht = option_ab_inputs(72, "bfloat16", segments=False, lower_bound=-5.0, V=K, K=K, T=192)
-        base = ops.KernelOptions()
-        o, ht, grads = pallas_outputs(x, do, dht, dataclasses.replace(base, hopper_intra_fwd=True))
+        o, ht, grads = pallas_outputs(x, do, dht, self.ON)
         assert calls == [True]                       # the differentiated forward, M saved
-        o0, ht0, g0 = pallas_outputs(x, do, dht, base)
+        o0, ht0, g0 = pallas_outputs(x, do, dht, self.OFF)
         assert_rms_close("hopper_intra_fwd o", o0, o, 1e-3)
         assert_rms_close("hopper_intra_fwd ht", ht0, ht, 1e-4)
         for name in GRAD_NAMES:
             assert_rms_close(f"hopper_intra_fwd {name}", g0[name], grads[name], 1e-3)
         # the forward-only call (no M)
         jax.block_until_ready(ops.kda_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], lower_bound=-5.0,
-                                             interpret=True,
-                                             options=dataclasses.replace(base, hopper_intra_fwd=True)))
+                                             interpret=True, options=self.ON))
         assert calls == [True, False]
 
     def test_errors_vs_fp32_unchanged(self):
@@ -126,8 +130,8 @@ class TestHopperIntraFwdOption:
         # kernel a's to within 1%.
         x, _, do, dht = option_ab_inputs(73, "bfloat16", segments=False, lower_bound=-5.0, V=128, K=128, T=128)
         ref = pallas_outputs({n: a.astype(jnp.float32) for n, a in x.items()}, do, dht, ops.KernelOptions())
-        off = pallas_outputs(x, do, dht, ops.KernelOptions())
-        on = pallas_outputs(x, do, dht, dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=True))
+        off = pallas_outputs(x, do, dht, self.OFF)
+        on = pallas_outputs(x, do, dht, self.ON)
         for i, name in ((0, "o"), (1, "ht")):
             e_off, e_on = rms_ratio(ref[i], off[i]), rms_ratio(ref[i], on[i])
             assert e_on <= 1.01 * e_off + 1e-6, (name, e_on, e_off)
@@ -143,7 +147,7 @@ class TestHopperIntraFwdOption:
 
         def trace(K, dtype, interpret, lower_bound=-5.0, segments=False, **opts):
             q, g, beta = sd((1, 128, 1, K), dtype), sd((1, 128, 1, K), jnp.float32), sd((1, 128, 1), dtype)
-            options = dataclasses.replace(ops.KernelOptions(), **{"hopper_intra_fwd": True, **opts})
+            options = dataclasses.replace(self.ON, **opts)
             seg = jnp.zeros((1, 128), jnp.int32) if segments else None
             jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=lower_bound, interpret=interpret, options=options,
                                               segment_ids=seg)[0]).trace(q, q, q, g, beta)
@@ -163,9 +167,8 @@ class TestHopperIntraFwdOption:
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU and the option on, the gradient lowers with the
         # forward kernel a as a fourth Mosaic GPU call in place of the Triton kernel a.
-        base = ops.KernelOptions()
-        on = lowered_grad_text(dataclasses.replace(base, hopper_intra_fwd=True), hopper_passes=True)
-        off = lowered_grad_text(base, hopper_passes=True)
+        on = lowered_grad_text(self.ON, hopper_passes=True)
+        off = lowered_grad_text(self.OFF, hopper_passes=True)
         assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") + 1
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
 

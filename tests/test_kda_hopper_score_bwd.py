@@ -171,7 +171,7 @@ class TestHopperScoreBwdOption:
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU and the option on, the gradient lowers with kernel
         # b as a fourth Mosaic GPU call in place of the Triton kernel b.
-        base = ops.KernelOptions()
+        base = dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=False)   # test_kda_hopper_fwd's
         on = lowered_grad_text(dataclasses.replace(base, hopper_score_bwd=True), hopper_passes=True)
         off = lowered_grad_text(base, hopper_passes=True)
         assert on.count("custom_call @mosaic_gpu") == 4 and off.count("custom_call @mosaic_gpu") == 3

@@ -102,6 +102,13 @@ def _check_shapes(arrays, want, context):
         raise ValueError(f"shapes do not match {context}: {bad}; expected { {n: want[n] for n in bad} }")
 
 
+# The intra-chunk kernels' compiler parameters: approximate exp (ex2.approx after a multiply by
+# log2(e), a few ulp; what Triton's tl.exp lowers to, so the Triton kernels they replace round the
+# same way) instead of the precise libdevice expf, ~10 instructions more per element (round 17 of
+# kda_pallas_notes.md).
+EXP_PARAMS = plgpu.CompilerParams(approx_math=True)
+
+
 def interpret_params(interpret):
     """plgpu.kernel's `interpret` argument from ours: False / None -> compiled, True -> default
     Mosaic GPU interpret mode (CPU), or an InterpretGPUParams as given (e.g. detect_races=True)."""

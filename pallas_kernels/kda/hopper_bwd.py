@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _ROW, _check_shapes, _iota, _load,
-                                      _operand, _split, _staging, interpret_params)
+                                      _operand, _split, _staging, EXP_PARAMS, interpret_params)
 
 HALF = 64                  # columns of K per loop step (one 128-byte swizzle tile of bf16)
 ABLATIONS = ("input_copies", "dL")    # intra_bwd_a's private profiling ablations
@@ -277,7 +277,8 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         scratch_types=[_operand((KH, C, HALF)), _operand((C, V)), _operand((C, V)), _operand((KH, C, HALF)),
                        _operand((C, C)), _operand((C, C)), states, staged,
                        *[plgpu.Barrier(num_arrivals=n) for n in (2 * KH + 1, KH + 1, 2, 3 * KH, 2)]],
-        grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
+        grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
+        interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(

@@ -15,11 +15,16 @@ on the rows of blocks <= r, 1 on later rows, whose products the row select drops
 product a wgmma [64, 64] x [64, 64]; the four row blocks and the five solve levels are loops (one
 traced body each: kernel a of the backward overflowed the instruction cache unrolled, round 15 of
 kda_pallas_notes.md), one pair of accumulators live at a time.
-I/O: q, k and G by TMA per K half (one barrier); beta, G's anchor rows and G_last straight from HBM;
-the outputs written straight from registers. SMEM: 160 KiB at K = 128.
+I/O: q, k and G by TMA per K half, G's anchor rows and G_last by TMA (one barrier); beta straight
+from HBM; the outputs written straight from registers. SMEM: 98 KiB at K = 128 (two CTAs an SM): q
+shares its memory with the column operand, G and the row operands with the solve's (plgpu.RefUnion).
 
-NOT YET RUN ON A GPU (round 17 of kda_pallas_notes.md): interpret mode and CUDA lowering on CPU
-only; ops.KernelOptions.hopper_intra_fwd stays off until it is measured.
+Measured on the H200 (2026-12-01, round 17 of kda_pallas_notes.md; kda_round17_h200/): outputs
+bit-identical to the compiled Triton kernel a at 8x4096x16x128 and 2x1024x4x{64,128}. v1 (160 KiB of
+SMEM, one CTA an SM; anchors read from HBM inside the row-block loop) 1.59 ms against the Triton
+kernel's 1.05; v2 (98 KiB, two CTAs an SM, anchors by TMA) 1.11; with approximate exp (hopper.
+EXP_PARAMS: 314M -> 220M instructions) 1.05 against 1.12; op forward 1.88 -> 1.75 ms
+(ops.KernelOptions.hopper_intra_fwd, on by default).
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s forward (anchored 16-token
 sub-chunks as fla's safe_gate path; fla's solve_tril merges); Mosaic GPU API of jax 0.11.2.
 """
@@ -32,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _ROW, _WG, _check_shapes, _iota, _load,
-                                      _operand, _staging, interpret_params)
+                                      _operand, _staging, EXP_PARAMS, interpret_params)
 from pallas_kernels.kda.hopper_bwd import HALF
 
 BT = 16                    # row block (diagonal tile) of the anchored scores
@@ -80,7 +85,9 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
 
     def body(q_ref, k_ref, G_ref, beta_ref, qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *rest):
         m_ref = rest[0] if save_solve else None
-        q_in, k_in, g_in, ak_s, aq_s, bk_s, d_s, l_s, n_s, bar = rest[-10:]
+        k_in, anc_s, first, second, bar = rest[-5:]
+        q_in, bk_s = first                   # q is read before the first column operand is written
+        (g_in, ak_s, aq_s), (d_s, l_s, n_s) = second    # the solve's operands after the scores
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
@@ -88,12 +95,13 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
         for kh in range(KH):
             for src, dst in ((q_ref, q_in), (k_ref, k_in), (G_ref, g_in)):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, hh, halves[kh]], dst.at[kh], bar)
+        for r in range(NB):                  # G's rows 15, 31, 47 (the anchors) and 63 (G_last)
+            plgpu.copy_gmem_to_smem(G_ref.at[b, c * C + (r + 1) * BT - 1, hh], anc_s.at[r], bar)
         beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]          # one 256-byte read
-        rb_k = lax.div(_iota((C, HALF), 0), BT)
+        rb_k = _iota((C, HALF), 0) >> 4             # row block (BT = 16)
 
         def anchor(r, cols):                 # G_{16 r - 1} [HALF] (r may be traced); 0 for r = 0
-            row = c * C + jnp.maximum(r * BT - 1, 0)
-            return _load(G_ref.at[b, row, hh, cols], _COL) * jnp.asarray(r > 0, F32)
+            return _load(anc_s.at[jnp.maximum(r - 1, 0), cols], _COL) * jnp.asarray(r > 0, F32)
 
         plgpu.barrier_wait(bar)
         # the row operands (k ea, scale q ea) and the elementwise outputs, per K half
@@ -106,33 +114,35 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
             ea = jnp.exp(g - anc_rows)
             ak_s.at[kh][...] = (kf * ea).astype(BF16)
             aq_s.at[kh][...] = (scale * qf * ea).astype(BF16)
-            gl = _load(G_ref.at[b, c * C + C - 1, hh, halves[kh]], _COL)
+            gl = _load(anc_s.at[NB - 1, halves[kh]], _COL)
             qg_ref.at[bh, rows, halves[kh]][...] = (scale * qf * jnp.exp(g)).astype(BF16)
             kd_ref.at[bh, rows, halves[kh]][...] = (kf * jnp.exp(gl[None, :] - g)).astype(BF16)
             gl_ref.at[bh, c, halves[kh]][...] = jnp.exp(gl)
+        plgpu.commit_smem()                  # ak, aq written; every read of q_in (bk_s's memory) done
 
-        rb = lax.div(_iota((C, C), 0), BT)
+        rb = _iota((C, C), 0) >> 4
 
         def score_step(r, carry):            # row block r: its column operand, then M and Aqk's rows
             m, aqk = carry
-            slot = lax.rem(r, 2)             # two buffers: step r - 1's wgmma may still read the other
             for kh in range(KH):
                 g = _load(g_in.at[kh])
                 eb = jnp.exp(jnp.where(rb_k <= r, anchor(r, halves[kh])[None, :] - g, 0.0))
-                bk_s.at[slot, kh][...] = (_load(k_in.at[kh], smem=True) * eb).astype(BF16)
+                bk_s.at[kh][...] = (_load(k_in.at[kh], smem=True) * eb).astype(BF16)
             plgpu.commit_smem()
 
             def dots(acc_m, acc_q):
                 for kh in range(KH):
-                    plgpu.wgmma(acc_m, ak_s.at[kh], bk_s.at[slot, kh].T)
+                    plgpu.wgmma(acc_m, ak_s.at[kh], bk_s.at[kh].T)
                 for kh in range(KH):
-                    plgpu.wgmma(acc_q, aq_s.at[kh], bk_s.at[slot, kh].T)
+                    plgpu.wgmma(acc_q, aq_s.at[kh], bk_s.at[kh].T)
                 return acc_m[...], acc_q[...]
             s_m, s_q = pl.run_scoped(dots, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
+            plgpu.commit_smem()              # every warp's wgmma reads of bk_s are done (one buffer)
             return jnp.where(rb == r, s_m, m), jnp.where(rb == r, s_q, aqk)
 
         zero = plgpu.layout_cast(jnp.zeros((C, C), F32), _WG)
         m, aqk = lax.fori_loop(0, NB, score_step, (zero, zero))
+        # (the last step's fence: the solve's buffers, g_in / ak_s / aq_s's memory, are free)
         ri, ci = _iota((C, C), 0), _iota((C, C), 1)
         aqk_ref.at[bh, rows][...] = jnp.where(ri >= ci, aqk, 0.0).astype(BF16)
         m = jnp.where(ri > ci, m, 0.0)
@@ -142,14 +152,14 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
 
         # (I + L)^-1: D starts as the inverse on the 2 x 2 diagonal blocks (exact), then each level
         # merges pairs of diagonal blocks of size s: D <- D - (D Loff_s) D
-        d0 = jnp.where(ri == ci, 1.0, 0.0) - jnp.where((lax.div(ri, 2) == lax.div(ci, 2)) & (ri > ci), L, 0.0)
+        d0 = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(((ri >> 1) == (ci >> 1)) & (ri > ci), L, 0.0)
 
-        def level(t, d):
-            s = jnp.left_shift(jnp.int32(2), t)
-            rs, cs = lax.div(_iota((C, C), 0), s), lax.div(_iota((C, C), 1), s)
-            slot = lax.rem(t, 2)             # D is read by both products: two buffers, as bk_s
+        def level(t, d):                     # blocks of s = 2^(t + 1) rows merge into 2 s
+            sh = lax.convert_element_type(t + 1, jnp.int32)   # shifts: a traced divisor costs ~20x more
+            rs, cs = lax.shift_right_logical(_iota((C, C), 0), sh), lax.shift_right_logical(_iota((C, C), 1), sh)
+            slot = lax.rem(t, 2)             # D is read by both products: two buffers
             d_s.at[slot][...] = d.astype(BF16)
-            l_s[...] = jnp.where((lax.div(rs, 2) == lax.div(cs, 2)) & (rs > cs), L, 0.0).astype(BF16)
+            l_s[...] = jnp.where(((rs >> 1) == (cs >> 1)) & (rs > cs), L, 0.0).astype(BF16)
             plgpu.commit_smem()
 
             def n_dot(acc):                  # D Loff
@@ -170,15 +180,18 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
                 jax.ShapeDtypeStruct((BH, T, C), F32)]
     if save_solve:
         out_type.append(jax.ShapeDtypeStruct((BH, T, C), F32))
-    # SMEM (K = 128): q, k 32 KiB and G 32 KiB staged; the row operands 32 KiB, the column operand
-    # (two buffers) 32 KiB; the solve's D (two buffers), Loff and D Loff 32 KiB
+    # SMEM (K = 128), 98 KiB so that two CTAs share an SM (v1, 160 KiB, one CTA: 1.5x slower than the
+    # Triton kernel a): k 16 KiB; the anchor rows 2 KiB; q, later the column operand, 16 KiB; G and
+    # the row operands, later the solve's D (two buffers), Loff and D Loff, 64 KiB
+    first = plgpu.RefUnion(_operand((KH, C, HALF)), _operand((KH, C, HALF)))
+    second = plgpu.RefUnion((_staging((KH, C, HALF), F32), _operand((KH, C, HALF)), _operand((KH, C, HALF))),
+                            (_operand((2, C, C)), _operand((C, C)), _operand((C, C))))
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
-        scratch_types=[_operand((KH, C, HALF)), _operand((KH, C, HALF)), _staging((KH, C, HALF), F32),
-                       _operand((KH, C, HALF)), _operand((KH, C, HALF)), _operand((2, KH, C, HALF)),
-                       _operand((2, C, C)), _operand((C, C)), _operand((C, C)),
-                       plgpu.Barrier(num_arrivals=3 * KH)],
-        grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
+        scratch_types=[_operand((KH, C, HALF)), plgpu.SMEM((NB, K), F32), first, second,
+                       plgpu.Barrier(num_arrivals=3 * KH + NB)],
+        grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
+        interpret=interpret_params(interpret))
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     outs = kernel(q, k, G, beta_hm)
     return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)

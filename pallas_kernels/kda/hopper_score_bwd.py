@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _check_shapes, _iota, _load, _operand,
-                                      _split, _staging, interpret_params)
+                                      _split, _staging, EXP_PARAMS, interpret_params)
 from pallas_kernels.kda.hopper_bwd import HALF
 
 BT = 16                    # row block (diagonal tile) of the anchored scores
@@ -196,6 +196,7 @@ def intra_bwd_b(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float,
         scratch_types=[_operand((4, C, C)), _operand((2 * (NB - 1), C, C)), _operand((6, C, HALF)),
                        _operand((NB - 1, C, HALF)), _operand((2, C, HALF)), staged,
                        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=3)],
-        grid=(BH, NT), grid_names=("bh", "c"), interpret=interpret_params(interpret))
+        grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
+        interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     return kernel(q, k, G, flat(dqp), flat(dkp), flat(dgp), flat(dgl), flat(dM), flat(dAqk))
