@@ -1,6 +1,7 @@
 """Kernel a of the intra-chunk forward on Hopper (the anchored scores and the solve),
 pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, on
-by default since round 17 of kda_pallas_notes.md).
+by default since round 17 of kda_pallas_notes.md); hopper_fwd.intra_fwd, the same kernel with W and U
+fused in (hopper_fused_wu, off: round 18, not yet run on a GPU).
 
 Held to the Triton kernel a (fwd.intra_fwd_a with bf16 operands and the gate cumsum outside) in Mosaic
 GPU interpret mode on CPU, with the interpreter's SMEM race detector, lowered for CUDA on CPU, bad
@@ -25,11 +26,11 @@ from tests.test_kda_pallas import GRAD_NAMES, lowered_grad_text, option_ab_input
 NAMES = ("qg", "kd", "aqk", "gl", "A", "M")
 
 
-def _inputs(B, T, H, K, seed=0):
+def _inputs(B, T, H, K, seed=0, V=None):
     """q, k (bf16), G (the chunk cumsum of -5 sigmoid(N(0, 1)), fp32), beta (bf16) as the backward
-    kernels' tests."""
-    q, k, _, G, beta, *_ = _a_inputs(B, T, H, K, K, seed)
-    return q, k, G, beta
+    kernels' tests; with V also v [B, T, H, V] bf16 (after k: intra_fwd's argument order)."""
+    q, k, v, G, beta, *_ = _a_inputs(B, T, H, K, V or K, seed)
+    return (q, k, G, beta) if V is None else (q, k, v, G, beta)
 
 
 def _check_matches_triton(shape, interpret, tol):
@@ -88,6 +89,69 @@ class TestHopperIntraFwd:
             f = jax.jit(lambda *a: hopper_fwd.intra_fwd_a(*a, scale=0.1, save_solve=save_solve))
             text = f.trace(*_inputs(1, 128, 2, K)).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("custom_call @mosaic_gpu") == 1
+
+
+class TestHopperFusedWU:
+    """hopper_fwd.intra_fwd: kernel a with W = A X, U = A Y in the same kernel."""
+
+    def test_matches_triton_pair(self):
+        # Against fwd.intra_fwd_split (the Triton kernel a, then kernel b reading A), K != V.
+        # Measured in interpret mode: qg, kd, gl identical, w 8.7e-12, u 2.4e-8, A 4.9e-10 (RMS
+        # ratios); without save_solve the same six outputs.
+        args = _inputs(2, 128, 2, 64, V=128)
+        ref = fwd.intra_fwd_split(*args, scale=0.125, chunk_size=64, interpret=True,
+                                  factor_dtype=ops.factor_dtypes(jnp.bfloat16), save_solve=True, bf16_dots=True,
+                                  gate_cumsum=True)
+        names = ("qg", "kd", "w", "u", "aqk", "gl", "A", "M")
+        for save_solve in (True, False):
+            out = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.125, save_solve=save_solve,
+                                                          interpret=True))(*args)
+            assert len(out) == (8 if save_solve else 6)
+            for name, o, r in zip(names, out, ref):
+                assert o.shape == r.shape and o.dtype == r.dtype, name
+                assert_rms_close(f"fused W / U {name} save_solve={save_solve}", r, o, 1e-5)
+
+    def test_no_smem_races(self):
+        # v's TMA into the row operands' memory is issued after the fence that ends every read of
+        # G (the detector reported it when issued before X was formed: checked).
+        assert _no_races(lambda *a, interpret: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=True, interpret=interpret),
+                         _inputs(1, 64, 1, 128, V=128))
+
+    @pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
+    def test_lowers_for_cuda(self, K, V):
+        for save_solve in (False, True):
+            f = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve))
+            text = f.trace(*_inputs(1, 128, 2, K, V=V)).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") == 1
+
+    def test_bad_v_raises(self):
+        q, k, v, G, beta = _inputs(1, 64, 1, 64, V=64)
+        for bad, match in [(v.astype(jnp.float32), "v must be bf16"), (v[..., :32], "V in"),
+                           (v[:, :, :, :, None], "v must be")]:
+            with pytest.raises(ValueError, match=match):
+                hopper_fwd.intra_fwd(q, k, bad, G, beta, scale=0.1, interpret=True)
+
+    def test_op_matches_option_off(self, monkeypatch):
+        # Through the op (the differentiated forward saves A and M; the forward-only call writes
+        # no A): against hopper_fused_wu off, the same products.
+        calls = []
+        real = hopper_fwd.intra_fwd
+        monkeypatch.setattr(hopper_fwd, "intra_fwd", lambda *a, **kw: calls.append(kw["save_solve"]) or real(*a, **kw))
+        x, _, do, dht = option_ab_inputs(74, "bfloat16", segments=False, lower_bound=-5.0, V=64, K=64, T=192)
+        on = dataclasses.replace(ops.KernelOptions(), hopper_fused_wu=True)
+        o, ht, grads = pallas_outputs(x, do, dht, on)
+        o0, ht0, g0 = pallas_outputs(x, do, dht, ops.KernelOptions())
+        assert calls == [True]
+        assert_rms_close("hopper_fused_wu o", o0, o, 1e-3)
+        assert_rms_close("hopper_fused_wu ht", ht0, ht, 1e-4)
+        for name in GRAD_NAMES:
+            assert_rms_close(f"hopper_fused_wu {name}", g0[name], grads[name], 1e-3)
+        o1, _ = jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=on))(
+            x["q"], x["k"], x["v"], x["g"], x["beta"])
+        assert calls == [True, False]
+        o2, _ = jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True))(
+            x["q"], x["k"], x["v"], x["g"], x["beta"])
+        assert_rms_close("hopper_fused_wu forward-only o", o2, o1, 1e-3)
 
 
 class TestHopperIntraFwdOption:
@@ -180,4 +244,18 @@ class TestHopperIntraFwdGPU:
     @pytest.mark.parametrize("shape", [(2, 1024, 4, 128), (8, 4096, 16, 128), (2, 1024, 4, 64)])
     def test_matches_triton_kernel_a(self, shape):
         errs = _check_matches_triton(shape, False, dict(qg=1e-3, kd=1e-3, aqk=1e-3, gl=1e-5, A=1e-3, M=1e-4))
+        print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128), (2, 1024, 4, 64)])
+    def test_fused_wu_matches_triton_pair(self, shape):
+        # hopper_fwd.intra_fwd (W, U fused; round 18) against the compiled Triton kernels a and b.
+        B, T, H, K = shape
+        args = _inputs(B, T, H, K, V=128)
+        ref = jax.jit(lambda *a: fwd.intra_fwd_split(*a, scale=K ** -0.5, chunk_size=64, interpret=False,
+                                                     factor_dtype=ops.factor_dtypes(jnp.bfloat16), save_solve=True,
+                                                     bf16_dots=True, gate_cumsum=True))(*args)
+        out = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=K ** -0.5, save_solve=True))(*args)
+        tol = dict(qg=1e-3, kd=1e-3, w=1e-4, u=1e-4, aqk=1e-3, gl=1e-5, A=1e-3, M=1e-4)
+        errs = {name: assert_rms_close(f"fused W / U {name} {shape}", r, o, tol[name])
+                for name, o, r in zip(("qg", "kd", "w", "u", "aqk", "gl", "A", "M"), out, ref)}
         print(shape, {k: f"{v:.2g}" for k, v in errs.items()})

@@ -80,14 +80,53 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
     Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, q / k not bf16, G not fp32,
       beta not a float array, or shapes that do not match.
     """
+    return _intra(q, k, None, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
+
+
+def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False,
+              interpret: bool | plgpu.InterpretGPUParams = False):
+    """Both intra-chunk forward kernels in one (intra_fwd_a and the Triton kernel b, fwd.intra_fwd_b,
+    fla's recompute_w_u): intra_fwd_a's kernel, then with (I + beta M)^-1 still in registers
+      W = A (beta e^{G} k),  U = A (beta v),
+    both [64, 64] x [64, HALF] wgmma with bf16 operands per K / V half (bf16_dots' rounding). A is
+    written only with save_solve (the backward's); k, G and beta are read once. X = beta e^G k goes
+    to the memory of the column operand after the scores, v arrives by TMA during the solve into
+    the row operands' memory: SMEM as intra_fwd_a (98 KiB at K = V = 128).
+
+    Args: v [B, T, H, V] bf16 (V in HEAD_DIMS); the rest as intra_fwd_a.
+    Returns (as fwd.intra_fwd_split with bf16 inputs, bf16_dots and gate_cumsum): qg, kd [B, H, T, K]
+      bf16; w [B, H, T, K] fp32; u [B, H, T, V] fp32; aqk [B, H, T, 64] bf16; gl [B, H, T / 64, K] fp32;
+      with save_solve also A, M [B, H, T, 64] fp32.
+    Raises: ValueError as intra_fwd_a, and for v not bf16 [B, T, H, V] with V in HEAD_DIMS.
+    NOT YET RUN ON A GPU (round 18 of kda_pallas_notes.md; ops.KernelOptions.hopper_fused_wu, off).
+    """
+    if v.dtype != BF16:
+        raise ValueError(f"v must be bf16; got {v.dtype}")
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3] or v.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"v must be [B, T, H, V] with (B, T, H) = {q.shape[:3]} and V in {HEAD_DIMS}; "
+                         f"got {v.shape}")
+    return _intra(q, k, v, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
+
+
+def _intra(q, k, v, G, beta, *, scale, save_solve, interpret):
+    """intra_fwd_a (v None) or intra_fwd's kernel."""
     B, T, H, K = _check(q, k, G, beta)
     C, KH, BH, NT = CHUNK, K // HALF, B * H, T // CHUNK
+    wu = v is not None
+    V = v.shape[-1] if wu else 0
+    VH = V // HALF
 
-    def body(q_ref, k_ref, G_ref, beta_ref, qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *rest):
-        m_ref = rest[0] if save_solve else None
-        k_in, anc_s, first, second, bar = rest[-5:]
-        q_in, bk_s = first                   # q is read before the first column operand is written
-        (g_in, ak_s, aq_s), (d_s, l_s, n_s) = second    # the solve's operands after the scores
+    def body(*refs):
+        if wu:
+            q_ref, k_ref, v_ref, G_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *rest = refs
+            a_ref, m_ref = (rest[0], rest[1]) if save_solve else (None, None)
+        else:
+            q_ref, k_ref, G_ref, beta_ref, qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *rest = refs
+            m_ref = rest[0] if save_solve else None
+        k_in, anc_s, first, second, bar, bar_v = rest[-6:]
+        q_in, bk_s = first                   # q, then the column operand (later X: x_s = bk_s)
+        x_s = bk_s
+        (g_in, ak_s, aq_s), (d_s, l_s, n_s, v_s) = second    # the solve's operands (and v) after the scores
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
@@ -143,6 +182,12 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
         zero = plgpu.layout_cast(jnp.zeros((C, C), F32), _WG)
         m, aqk = lax.fori_loop(0, NB, score_step, (zero, zero))
         # (the last step's fence: the solve's buffers, g_in / ak_s / aq_s's memory, are free)
+        if wu:
+            for kh in range(KH):             # X = beta e^G k into the column operand's memory
+                x_s.at[kh][...] = (beta_c * jnp.exp(_load(g_in.at[kh])) * _load(k_in.at[kh], smem=True)).astype(BF16)
+            plgpu.commit_smem()              # every read of g_in done; X fenced
+            for vh in range(VH):             # v into the second union while the solve runs
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(vh * HALF, HALF)], v_s.at[vh], bar_v)
         ri, ci = _iota((C, C), 0), _iota((C, C), 1)
         aqk_ref.at[bh, rows][...] = jnp.where(ri >= ci, aqk, 0.0).astype(BF16)
         m = jnp.where(ri > ci, m, 0.0)
@@ -173,25 +218,42 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
                 return acc[...]
             return d - pl.run_scoped(nd_dot, plgpu.ACC((C, C), F32))
 
-        a_ref.at[bh, rows][...] = lax.fori_loop(0, LEVELS, level, d0)
+        a = lax.fori_loop(0, LEVELS, level, d0)
+        if a_ref is not None:
+            a_ref.at[bh, rows][...] = a
+        if wu:
+            # A into l_s (its last reader, the last level's D Loff, is behind that level's fence);
+            # Y = beta v in place once v has arrived
+            l_s[...] = a.astype(BF16)
+            plgpu.barrier_wait(bar_v)
+            for vh in range(VH):
+                v_s.at[vh][...] = (beta_c * _load(v_s.at[vh], smem=True)).astype(BF16)
+            plgpu.commit_smem()
+            for dst, src, n in ((w_ref, x_s, KH), (u_ref, v_s, VH)):
+                for h in range(n):           # one [C, HALF] product at a time, written from registers
 
-    out_type = [jax.ShapeDtypeStruct((BH, T, K), BF16), jax.ShapeDtypeStruct((BH, T, K), BF16),
-                jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32),
-                jax.ShapeDtypeStruct((BH, T, C), F32)]
-    if save_solve:
-        out_type.append(jax.ShapeDtypeStruct((BH, T, C), F32))
-    # SMEM (K = 128), 98 KiB so that two CTAs share an SM (v1, 160 KiB, one CTA: 1.5x slower than the
-    # Triton kernel a): k 16 KiB; the anchor rows 2 KiB; q, later the column operand, 16 KiB; G and
-    # the row operands, later the solve's D (two buffers), Loff and D Loff, 64 KiB
+                    def wu_dot(acc, src=src, h=h):
+                        plgpu.wgmma(acc, l_s, src.at[h])
+                        return acc[...]
+                    dst.at[bh, rows, pl.ds(h * HALF, HALF)][...] = pl.run_scoped(wu_dot, plgpu.ACC((C, HALF), F32))
+
+    bf_k, f_k, f_c = (jax.ShapeDtypeStruct((BH, T, K), BF16), jax.ShapeDtypeStruct((BH, T, K), F32),
+                      jax.ShapeDtypeStruct((BH, T, C), F32))
+    out_type = [bf_k, bf_k] + ([f_k, jax.ShapeDtypeStruct((BH, T, V), F32)] if wu else [])
+    out_type += [jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32)]
+    out_type += ([f_c] if not wu or save_solve else []) + ([f_c] if save_solve else [])
+    # SMEM (K = V = 128), 98 KiB so that two CTAs share an SM (v1, 160 KiB, one CTA: 1.5x slower than
+    # the Triton kernel a): k 16 KiB; the anchor rows 2 KiB; q, later the column operand, later X,
+    # 16 KiB; G and the row operands, later the solve's D (two buffers), Loff and D Loff and v, 64 KiB
     first = plgpu.RefUnion(_operand((KH, C, HALF)), _operand((KH, C, HALF)))
     second = plgpu.RefUnion((_staging((KH, C, HALF), F32), _operand((KH, C, HALF)), _operand((KH, C, HALF))),
-                            (_operand((2, C, C)), _operand((C, C)), _operand((C, C))))
+                            (_operand((2, C, C)), _operand((C, C)), _operand((C, C)), _operand((max(VH, 1), C, HALF))))
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
         scratch_types=[_operand((KH, C, HALF)), plgpu.SMEM((NB, K), F32), first, second,
-                       plgpu.Barrier(num_arrivals=3 * KH + NB)],
+                       plgpu.Barrier(num_arrivals=3 * KH + NB), plgpu.Barrier(num_arrivals=max(VH, 1))],
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
         interpret=interpret_params(interpret))
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
-    outs = kernel(q, k, G, beta_hm)
+    outs = kernel(q, k, *([v] if wu else []), G, beta_hm)
     return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)

@@ -245,6 +245,10 @@ class KernelOptions:
       2026-12-01 18:59 UTC): op 1.88 -> 1.75 ms forward and 6.76 -> 6.58 ms forward+backward at
       8x4096x16x128; outputs bit-identical to the Triton kernel a's compiled; errors vs the fp32
       recurrence unchanged to three digits.
+    hopper_fused_wu (off: round 18 of kda_pallas_notes.md, not yet run on a GPU): with
+      hopper_intra_fwd where it applies (and V in hopper.HEAD_DIMS), W = A X and U = A Y are formed
+      in the same Mosaic GPU kernel (hopper_fwd.intra_fwd) instead of the Triton kernel b: A is
+      written only for the backward, k, G and beta are read once. Same products and rounding.
     """
 
     split_intra_bwd: bool = True
@@ -263,6 +267,7 @@ class KernelOptions:
     hopper_intra_bwd: bool = True
     hopper_score_bwd: bool = False
     hopper_intra_fwd: bool = True
+    hopper_fused_wu: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -272,7 +277,7 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
                                hopper_fused_output=False, hopper_intra_bwd=False,
-                               hopper_score_bwd=False, hopper_intra_fwd=False)
+                               hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -285,7 +290,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
                                   hopper_fused_output=True, hopper_intra_bwd=True,
-                                  hopper_score_bwd=False, hopper_intra_fwd=False)
+                                  hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
 # forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
@@ -294,7 +299,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
                      "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd",
-                     "hopper_intra_fwd")
+                     "hopper_intra_fwd", "hopper_fused_wu")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -486,6 +491,8 @@ def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, 
                              factor_dtype=fd, save_solve=save_solve, bf16_dots=options.bf16_intra_dots,
                              gate_cumsum=options.xla_gate_cumsum, segments=rel,
                              split=options.split_intra_fwd, unbounded=unbounded)
+    if options.hopper_fused_wu and v.shape[-1] in hopper.HEAD_DIMS:
+        return hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve, interpret=interpret)
     qg, kd, aqk, gl, A, *M = hopper_fwd.intra_fwd_a(q, k, g, beta, scale=scale, save_solve=save_solve,
                                                     interpret=interpret)
     w, u = fwd.intra_fwd_b(k, v, g, beta, A, chunk_size=chunk_size, interpret=interpret, factor_dtype=fd,
