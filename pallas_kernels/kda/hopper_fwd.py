@@ -25,6 +25,8 @@ SMEM, one CTA an SM; anchors read from HBM inside the row-block loop) 1.59 ms ag
 kernel's 1.05; v2 (98 KiB, two CTAs an SM, anchors by TMA) 1.11; with approximate exp (hopper.
 EXP_PARAMS: 314M -> 220M instructions) 1.05 against 1.12; op forward 1.88 -> 1.75 ms
 (ops.KernelOptions.hopper_intra_fwd, on by default).
+`intra_fwd` is the same kernel with W = A X and U = A Y formed in it too (the Triton kernel b's work;
+ops.KernelOptions.hopper_fused_wu, off: round 18, not yet run on a GPU).
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s forward (anchored 16-token
 sub-chunks as fla's safe_gate path; fla's solve_tril merges); Mosaic GPU API of jax 0.11.2.
 """
