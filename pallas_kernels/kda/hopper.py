@@ -109,6 +109,20 @@ def _check_shapes(arrays, want, context):
 EXP_PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
+def _check_qk(q, k):
+    """The checks shared by the intra-chunk kernels that take token-major q, k [B, T, H, K]: T a
+    multiple of CHUNK, K in HEAD_DIMS, both bf16 (ValueError naming what is wrong). Returns
+    (B, T, H, K)."""
+    B, T, H, K = q.shape
+    if T % CHUNK:
+        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"K = {K} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
+    if q.dtype != BF16 or k.dtype != BF16:
+        raise ValueError(f"q and k must be bf16; got {q.dtype}, {k.dtype}")
+    return B, T, H, K
+
+
 def interpret_params(interpret):
     """plgpu.kernel's `interpret` argument from ours: False / None -> compiled, True -> default
     Mosaic GPU interpret mode (CPU), or an InterpretGPUParams as given (e.g. detect_races=True)."""

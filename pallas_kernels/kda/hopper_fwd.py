@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _ROW, _WG, _check_shapes, _iota, _load,
-                                      _operand, _staging, EXP_PARAMS, interpret_params)
+from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _ROW, _WG, _check_qk, _check_shapes, _iota,
+                                      _load, _operand, _staging, EXP_PARAMS, interpret_params)
 from pallas_kernels.kda.hopper_bwd import HALF
 
 BT = 16                    # row block (diagonal tile) of the anchored scores
@@ -48,13 +48,7 @@ LEVELS = 5                 # solve merges: blocks of 2 -> 4 -> .. -> 64
 
 
 def _check(q, k, G, beta):
-    B, T, H, K = q.shape
-    if T % CHUNK:
-        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
-    if K not in HEAD_DIMS:
-        raise ValueError(f"K = {K} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
-    if q.dtype != BF16 or k.dtype != BF16:
-        raise ValueError(f"q and k must be bf16; got {q.dtype}, {k.dtype}")
+    B, T, H, K = _check_qk(q, k)
     if G.dtype != F32:
         raise ValueError(f"G must be fp32 (the chunk cumsum of g); got {G.dtype}")
     if not jnp.issubdtype(beta.dtype, jnp.floating):

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, HEAD_DIMS, _COL, _check_shapes, _iota, _load, _operand,
+from pallas_kernels.kda.hopper import (BF16, CHUNK, F32, _COL, _check_qk, _check_shapes, _iota, _load, _operand,
                                       _split, _staging, EXP_PARAMS, interpret_params)
 from pallas_kernels.kda.hopper_bwd import HALF
 
@@ -56,13 +56,7 @@ NB = CHUNK // BT
 
 
 def _check(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk):
-    B, T, H, K = q.shape
-    if T % CHUNK:
-        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
-    if K not in HEAD_DIMS:
-        raise ValueError(f"K = {K} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
-    if q.dtype != BF16 or k.dtype != BF16:
-        raise ValueError(f"q and k must be bf16; got {q.dtype}, {k.dtype}")
+    B, T, H, K = _check_qk(q, k)
     if not all(x.dtype == F32 for x in (G, dqp, dkp, dgp, dgl, dM, dAqk)):
         raise ValueError("G, dqp, dkp, dgp, dgl, dM and dAqk must be fp32; got "
                          f"{[x.dtype for x in (G, dqp, dkp, dgp, dgl, dM, dAqk)]}")
