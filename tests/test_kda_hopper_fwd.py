@@ -59,8 +59,8 @@ class TestHopperIntraFwd:
 
     @pytest.mark.parametrize("K", [128, 64])
     def test_no_smem_races(self, K):
-        # The TMA copies of q, k, G against the generic reads of their buffers, the column operand's
-        # two buffers and the solve's; one chunk (the detector supports one block). wgmma reads
+        # The TMA copies of q, k, G against the generic reads of their buffers, the column operand
+        # (one buffer, fenced after every row block), the RefUnion groups and the solve's; one chunk (the detector supports one block). wgmma reads
         # against later writes rest on review and the compiled GPU tests (the interpreter runs wgmma
         # synchronously).
         assert _no_races(lambda *a, interpret: hopper_fwd.intra_fwd_a(*a, scale=0.1, save_solve=True,
@@ -84,7 +84,8 @@ class TestHopperIntraFwd:
 
     @pytest.mark.parametrize("K", [128, 64])
     def test_lowers_for_cuda(self, K):
-        # Lowering checks the SMEM budget (160 KiB at K = 128) and the layouts.
+        # Lowering checks the SMEM limit (227 KiB; the kernel takes 98 KiB at K = 128 so that two
+        # CTAs share an SM, which this does not check) and the layouts.
         for save_solve in (False, True):
             f = jax.jit(lambda *a: hopper_fwd.intra_fwd_a(*a, scale=0.1, save_solve=save_solve))
             text = f.trace(*_inputs(1, 128, 2, K)).lower(lowering_platforms=("cuda",)).as_text()
@@ -117,7 +118,7 @@ class TestHopperFusedWU:
         assert _no_races(lambda *a, interpret: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=True, interpret=interpret),
                          _inputs(1, 64, 1, 128, V=128))
 
-    @pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
+    @pytest.mark.parametrize("K, V", [(128, 128), (64, 128), (128, 64)])
     def test_lowers_for_cuda(self, K, V):
         for save_solve in (False, True):
             f = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve))
@@ -227,6 +228,29 @@ class TestHopperIntraFwdOption:
         assert calls == []
         trace(64, jnp.bfloat16, True)
         assert calls == [False]
+
+    def test_fused_wu_dispatch(self, monkeypatch):
+        # hopper_fused_wu takes hopper_fwd.intra_fwd only where hopper_intra_fwd applies and V is in
+        # HEAD_DIMS; V = 32 falls back to intra_fwd_a + the Triton kernel b; hopper_intra_fwd off
+        # takes neither Mosaic GPU kernel.
+        calls = []
+        for name in ("intra_fwd_a", "intra_fwd"):
+            real = getattr(hopper_fwd, name)
+            monkeypatch.setattr(hopper_fwd, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+        sd = jax.ShapeDtypeStruct
+
+        def trace(V, **opts):
+            q, g = sd((1, 128, 1, 64), jnp.bfloat16), sd((1, 128, 1, 64), jnp.float32)
+            v, beta = sd((1, 128, 1, V), jnp.bfloat16), sd((1, 128, 1), jnp.bfloat16)
+            options = dataclasses.replace(self.ON, hopper_fused_wu=True, **opts)
+            jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=options)[0]).trace(
+                q, q, v, g, beta)
+            out = list(calls)
+            calls.clear()
+            return out
+        assert trace(64) == ["intra_fwd"]
+        assert trace(32) == ["intra_fwd_a"]
+        assert trace(64, hopper_intra_fwd=False) == []
 
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU and the option on, the gradient lowers with the

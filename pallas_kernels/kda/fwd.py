@@ -228,14 +228,18 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
 def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool, factor_dtype: tuple,
                 save_solve: bool = False, bf16_dots: bool = False, gate_cumsum: bool = False, segments=None,
                 unbounded: bool = False, _params=None):
-    """Kernel a of intra_fwd_split ("kda_intra_fwd_a"; its args, factor_dtype a 5-tuple): returns qg,
-    kd [B, H, T, K] (factor_dtype[0], [1]), aqk [B, H, T, C] (factor_dtype[4]), gl [B, H, T / C, K]
-    fp32, A [B, H, T, C] fp32 and, with save_solve, M [B, H, T, C] fp32."""
+    """Kernel a of intra_fwd_split ("kda_intra_fwd_a"; its args): returns qg, kd [B, H, T, K]
+    (factor_dtype[0], [1]), aqk [B, H, T, C] (factor_dtype[4]), gl [B, H, T / C, K] fp32, A
+    [B, H, T, C] fp32 and, with save_solve, M [B, H, T, C] fp32.
+    Raises: ValueError for unbounded without gate_cumsum."""
+    if unbounded and not gate_cumsum:
+        raise ValueError(f"{unbounded=} needs gate_cumsum=True (the diagonal tiles load rows of G "
+                         f"from g's ref); got {gate_cumsum=}")
     B, T, H, K = q.shape
     C = chunk_size
     NT = T // C
     sp = cm.chunk_specs(C, K, K)
-    fd = factor_dtype
+    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
     segmented = segments is not None
     flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=segmented,
                                   unbounded=unbounded)
@@ -256,8 +260,9 @@ def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool
 def intra_fwd_b(k, v, g, beta, A, *, chunk_size: int, interpret: bool, factor_dtype: tuple,
                 bf16_dots: bool = False, gate_cumsum: bool = False, segments=None, _params=None):
     """Kernel b of intra_fwd_split ("kda_intra_fwd_b", fla's recompute_w_u; its args, A from kernel
-    a, factor_dtype a 5-tuple): returns W [B, H, T, K] (factor_dtype[2]) and U [B, H, T, V]
-    (factor_dtype[3])."""
+    a; the dots round as k's dtype says, which is q's in the op): returns W [B, H, T, K]
+    (factor_dtype[2]) and U [B, H, T, V] (factor_dtype[3])."""
+    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = chunk_size
@@ -269,8 +274,8 @@ def intra_fwd_b(k, v, g, beta, A, *, chunk_size: int, interpret: bool, factor_dt
         functools.partial(_intra_fwd_b_kernel, dtype=k.dtype, flags=flags),
         grid=(B, H, T // C), in_specs=[sp.ik, sp.iv, sp.ik, sp.ib, sp.ta] + ([cm.seg_spec(C)] if segmented else []),
         out_specs=[sp.tk, sp.tv],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), factor_dtype[2]),
-                   jax.ShapeDtypeStruct((B, H, T, V), factor_dtype[3])],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), fd[2]),
+                   jax.ShapeDtypeStruct((B, H, T, V), fd[3])],
         interpret=interpret, compiler_params=_params or cm.INTRA_PARAMS, name="kda_intra_fwd_b",
     )(k, v, g, beta, A, *([segments] if segmented else [])))
 

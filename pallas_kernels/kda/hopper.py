@@ -102,10 +102,13 @@ def _check_shapes(arrays, want, context):
         raise ValueError(f"shapes do not match {context}: {bad}; expected { {n: want[n] for n in bad} }")
 
 
-# The intra-chunk kernels' compiler parameters: approximate exp (ex2.approx after a multiply by
-# log2(e), a few ulp; what Triton's tl.exp lowers to, so the Triton kernels they replace round the
-# same way) instead of the precise libdevice expf, ~10 instructions more per element (round 17 of
-# kda_pallas_notes.md).
+# The intra-chunk kernels' compiler parameters: approximate exp (ex2.approx.ftz after a multiply by
+# log2(e)) instead of the precise libdevice expf, which costs ~10 instructions more per element
+# (round 17 of kda_pallas_notes.md: 314M -> 220M instructions in the forward kernel a). Not the
+# rounding of the Triton kernels they replace (Pallas-Triton lowers jnp.exp to libdevice __nv_expf):
+# the relative error grows with |x| (the log2(e) product's rounding, ~|x| 2^-24: ~5e-6 at the bounded
+# gates' largest exponent, 80) against bf16's 4e-3; measured, the op's errors vs the fp32
+# recurrence moved by < 1e-5 (o 4.0019e-3 -> 4.0001e-3, kda_round17_h200/v4_ab_*.json).
 EXP_PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
@@ -113,9 +116,11 @@ def _check_qk(q, k):
     """The checks shared by the intra-chunk kernels that take token-major q, k [B, T, H, K]: T a
     multiple of CHUNK, K in HEAD_DIMS, both bf16 (ValueError naming what is wrong). Returns
     (B, T, H, K)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, K]; got shape {q.shape}")
     B, T, H, K = q.shape
     if T % CHUNK:
-        raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
+        raise ValueError(f"q's T = {T} must be a multiple of {CHUNK}")
     if K not in HEAD_DIMS:
         raise ValueError(f"K = {K} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
     if q.dtype != BF16 or k.dtype != BF16:

@@ -243,8 +243,9 @@ class KernelOptions:
       gates, no segment_ids, padded K in hopper.HEAD_DIMS, compiled on a compute-capability-9.x GPU
       or in interpret mode; elsewhere the Triton kernel a runs. Measured on the H200 (one process,
       2026-12-01 18:59 UTC): op 1.88 -> 1.75 ms forward and 6.76 -> 6.58 ms forward+backward at
-      8x4096x16x128; outputs bit-identical to the Triton kernel a's compiled; errors vs the fp32
-      recurrence unchanged to three digits.
+      8x4096x16x128; errors vs the fp32 recurrence within 1e-5 of the Triton kernel a's (the
+      kernel's approximate exp, hopper.EXP_PARAMS; with the precise exp its outputs were
+      bit-identical to the compiled Triton kernel's).
     hopper_fused_wu (off: round 18 of kda_pallas_notes.md, not yet run on a GPU): with
       hopper_intra_fwd where it applies (and V in hopper.HEAD_DIMS), W = A X and U = A Y are formed
       in the same Mosaic GPU kernel (hopper_fwd.intra_fwd) instead of the Triton kernel b: A is
@@ -483,8 +484,9 @@ def use_hopper_intra_fwd(q, unbounded, rel, interpret, options) -> bool:
 
 def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, unbounded, save_solve):
     """The intra-chunk forward: fwd.intra_fwd (one or two Triton kernels), or with
-    use_hopper_intra_fwd the Mosaic GPU kernel a and the Triton kernel b; same outputs (qg, kd, w,
-    u, aqk, gl, and A, M with save_solve)."""
+    use_hopper_intra_fwd the Mosaic GPU kernel a and the Triton kernel b, or with hopper_fused_wu
+    too (and V in hopper.HEAD_DIMS) the one Mosaic GPU kernel hopper_fwd.intra_fwd; same outputs
+    (qg, kd, w, u, aqk, gl, and A, M with save_solve)."""
     fd = factor_dtypes(q.dtype)
     if not use_hopper_intra_fwd(q, unbounded, rel, interpret, options):
         return fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
