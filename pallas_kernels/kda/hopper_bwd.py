@@ -26,7 +26,8 @@ straight into registers; the outputs are written straight from registers. SMEM: 
 K = V = 128 (one CTA per SM; plgpu.RefUnion shares the staging buffers between phases).
 Measured on the H200 (kda_pallas_notes.md, rounds 14 and 15): kernel a 2.22 ms at 8x4096x16x128
 (the Triton kernel a 6.70; this kernel's first version, direct HBM reads and unrolled halves, 3.79);
-op fwd+bwd 6.91 ms against 11.41 with the Triton kernel a.
+op fwd+bwd 6.91 ms against 11.41 with the Triton kernel a. With approximate exp (hopper.EXP_PARAMS,
+round 17) 2.15 ms; the GPU tests against the Triton kernel a pass at their tolerances.
 
 Dispatch: ops.KernelOptions.hopper_intra_bwd; the conditions are ops.use_hopper_intra_bwd's.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward; Mosaic GPU API of

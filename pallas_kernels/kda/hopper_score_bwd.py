@@ -34,7 +34,9 @@ This version (round 16: kernel a's round-15 remedies), measured on the H200 (202
 kda_round16_h200/): correct (dq 2.3e-5, dk 2.7e-5 / 3.1e-5, dg 2.1e-6 RMS ratios), 2.72 ms against
 the Triton kernel b's 2.85 in the kernel rows, ptxas 1.4 KB of spills; in the op forward+backward
 6.86 -> 6.74 ms at 8x4096x16x128 and 15.58 -> 15.63 at 1x65536x16x128, within the rows' spread, so
-ops.KernelOptions.hopper_score_bwd stays off.
+ops.KernelOptions.hopper_score_bwd stays off. With approximate exp (hopper.EXP_PARAMS, round 17):
+2.60 ms against the Triton kernel b's 2.65; op forward+backward 6.58 -> 6.48 ms (with the forward
+kernel a on both sides), one measurement.
 Unbounded gates keep the Triton kernel's exact diagonal tiles.
 Source: Kimi Linear (arXiv 2510.26692) chunk form as fla `chunk_kda`'s backward (anchored
 16-token sub-chunks as fla's safe_gate path); Mosaic GPU API of jax 0.11.2.
