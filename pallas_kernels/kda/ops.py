@@ -291,7 +291,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
                                   hopper_fused_output=True, hopper_intra_bwd=True,
-                                  hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False)
+                                  hopper_score_bwd=False, hopper_intra_fwd=True, hopper_fused_wu=False)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
 # forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
