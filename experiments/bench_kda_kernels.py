@@ -280,12 +280,14 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "intra_bwd_b_hopper": (), "intra_fwd_a": (), "intra_fwd_a_hopper": (),
                   "intra_fwd_hopper": ()}
 # The Mosaic GPU kernels (hopper*.py): no Triton num_warps; intra_bwd_a_hopper / intra_bwd_b_hopper
-# take intra_bwd_a's / intra_bwd_b's inputs, intra_fwd_a_hopper intra_fwd_a's (kernel a's "input_copies" and "dL" ablations: its TMA
-# copies of W, U, dU, A, G, q, k, v, M skipped, its exact dL products skipped).
+# take intra_bwd_a's / intra_bwd_b's inputs, intra_fwd_a_hopper intra_fwd_a's, intra_fwd_hopper
+# intra_fwd_split's with G (the backward kernel a's "input_copies" and "dL" ablations: its TMA copies
+# of W, U, dU, A, G, q, k, v, M skipped, its exact dL products skipped).
 MOSAIC_KERNELS = ("state_fwd_hopper", "intra_bwd_a_hopper", "intra_bwd_b_hopper", "intra_fwd_a_hopper",
                   "intra_fwd_hopper")
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
-# bf16_state_bwd_dots and the hopper options but hopper_score_bwd and hopper_intra_fwd on since 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
+# bf16_state_bwd_dots and the hopper options but hopper_score_bwd and hopper_fused_wu on since
+# 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
 # over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01
 # 03:00 UTC (kda_ab_round3_h200.json included) wrote "base" for the then-default all-off kernels,

@@ -211,26 +211,22 @@ def intra_fwd_split(q, k, v, g, beta, *, scale: float, chunk_size: int, interpre
     unbounded (needs gate_cumsum): kernel a forms the diagonal 16x16 score tiles exactly
     (common.own_block_scores: elementwise fp32 with every exp argument <= 0; the off-diagonal tiles
     stay row-block GEMMs over earlier blocks), so any g <= 0 is exact; kernel b is unchanged.
-    Raises: ValueError for unbounded without gate_cumsum.
+    Raises: ValueError for unbounded without gate_cumsum (intra_fwd_a's check).
     """
-    if unbounded and not gate_cumsum:
-        raise ValueError(f"{unbounded=} needs gate_cumsum=True (the diagonal tiles load rows of G "
-                         f"from g's ref); got {gate_cumsum=}")
-    fd = factor_dtype if isinstance(factor_dtype, tuple) else (factor_dtype,) * 5
-    kw = dict(chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
-              segments=segments, _params=_params)
-    qg, kd, aqk, gl, A, *M = intra_fwd_a(q, k, g, beta, scale=scale, factor_dtype=fd, save_solve=save_solve,
-                                         unbounded=unbounded, **kw)
-    w, u = intra_fwd_b(k, v, g, beta, A, factor_dtype=fd, **kw)
+    kw = dict(chunk_size=chunk_size, interpret=interpret, factor_dtype=factor_dtype, bf16_dots=bf16_dots,
+              gate_cumsum=gate_cumsum, segments=segments, _params=_params)
+    qg, kd, aqk, gl, A, *M = intra_fwd_a(q, k, g, beta, scale=scale, save_solve=save_solve, unbounded=unbounded,
+                                         **kw)
+    w, u = intra_fwd_b(k, v, g, beta, A, **kw)
     return (qg, kd, w, u, aqk, gl) + ((A, M[0]) if save_solve else ())
 
 
-def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool, factor_dtype: tuple,
+def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool, factor_dtype,
                 save_solve: bool = False, bf16_dots: bool = False, gate_cumsum: bool = False, segments=None,
                 unbounded: bool = False, _params=None):
-    """Kernel a of intra_fwd_split ("kda_intra_fwd_a"; its args): returns qg, kd [B, H, T, K]
-    (factor_dtype[0], [1]), aqk [B, H, T, C] (factor_dtype[4]), gl [B, H, T / C, K] fp32, A
-    [B, H, T, C] fp32 and, with save_solve, M [B, H, T, C] fp32.
+    """Kernel a of intra_fwd_split ("kda_intra_fwd_a"; its args; factor_dtype one dtype or five):
+    returns qg, kd [B, H, T, K] (factor_dtype[0], [1]), aqk [B, H, T, C] (factor_dtype[4]), gl
+    [B, H, T / C, K] fp32, A [B, H, T, C] fp32 and, with save_solve, M [B, H, T, C] fp32.
     Raises: ValueError for unbounded without gate_cumsum."""
     if unbounded and not gate_cumsum:
         raise ValueError(f"{unbounded=} needs gate_cumsum=True (the diagonal tiles load rows of G "
@@ -257,7 +253,7 @@ def intra_fwd_a(q, k, g, beta, *, scale: float, chunk_size: int, interpret: bool
     )(q, k, g, beta, *([segments] if segmented else [])))
 
 
-def intra_fwd_b(k, v, g, beta, A, *, chunk_size: int, interpret: bool, factor_dtype: tuple,
+def intra_fwd_b(k, v, g, beta, A, *, chunk_size: int, interpret: bool, factor_dtype,
                 bf16_dots: bool = False, gate_cumsum: bool = False, segments=None, _params=None):
     """Kernel b of intra_fwd_split ("kda_intra_fwd_b", fla's recompute_w_u; its args, A from kernel
     a; the dots round as k's dtype says, which is q's in the op): returns W [B, H, T, K]
