@@ -286,7 +286,7 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
 MOSAIC_KERNELS = ("state_fwd_hopper", "intra_bwd_a_hopper", "intra_bwd_b_hopper", "intra_fwd_a_hopper",
                   "intra_fwd_hopper")
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
-# bf16_state_bwd_dots and the hopper options but hopper_score_bwd and hopper_fused_wu on since
+# bf16_state_bwd_dots and the hopper options but hopper_score_bwd on since
 # 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
 # the options to turn ON over round 2 ("a+b" sets both), or "base" then "+a" / "-b": turned ON / OFF
 # over the defaults (e.g. "base+tile_state", "base-pallas_cumsum"). Result JSONs before 2026-12-01

@@ -1,7 +1,7 @@
 """Kernel a of the intra-chunk forward on Hopper (the anchored scores and the solve),
 pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, on
 by default since round 17 of kda_pallas_notes.md); hopper_fwd.intra_fwd, the same kernel with W and U
-fused in (hopper_fused_wu, off: round 18, not yet run on a GPU).
+fused in (hopper_fused_wu, on by default since round 18).
 
 Held to the Triton kernel a (fwd.intra_fwd_a with bf16 operands and the gate cumsum outside) in Mosaic
 GPU interpret mode on CPU, with the interpreter's SMEM race detector, lowered for CUDA on CPU, bad
@@ -134,14 +134,16 @@ class TestHopperFusedWU:
 
     def test_op_matches_option_off(self, monkeypatch):
         # Through the op (the differentiated forward saves A and M; the forward-only call writes
-        # no A): against hopper_fused_wu off, the same products.
+        # no A): the defaults (hopper_fused_wu on) against hopper_fused_wu off, the same products.
         calls = []
         real = hopper_fwd.intra_fwd
         monkeypatch.setattr(hopper_fwd, "intra_fwd", lambda *a, **kw: calls.append(kw["save_solve"]) or real(*a, **kw))
         x, _, do, dht = option_ab_inputs(74, "bfloat16", segments=False, lower_bound=-5.0, V=64, K=64, T=192)
-        on = dataclasses.replace(ops.KernelOptions(), hopper_fused_wu=True)
+        on = ops.KernelOptions()
+        assert on.hopper_fused_wu
+        off = dataclasses.replace(on, hopper_fused_wu=False)
         o, ht, grads = pallas_outputs(x, do, dht, on)
-        o0, ht0, g0 = pallas_outputs(x, do, dht, ops.KernelOptions())
+        o0, ht0, g0 = pallas_outputs(x, do, dht, off)
         assert calls == [True]
         assert_rms_close("hopper_fused_wu o", o0, o, 1e-3)
         assert_rms_close("hopper_fused_wu ht", ht0, ht, 1e-4)
@@ -150,20 +152,23 @@ class TestHopperFusedWU:
         o1, _ = jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=on))(
             x["q"], x["k"], x["v"], x["g"], x["beta"])
         assert calls == [True, False]
-        o2, _ = jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True))(
+        o2, _ = jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=off))(
             x["q"], x["k"], x["v"], x["g"], x["beta"])
+        assert calls == [True, False]
         assert_rms_close("hopper_fused_wu forward-only o", o2, o1, 1e-3)
 
 
 class TestHopperIntraFwdOption:
     """ops.KernelOptions.hopper_intra_fwd (on by default): where it applies the op's forward runs
-    hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b."""
+    hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b;
+    ON has hopper_fused_wu off (the fused kernel, the default, is TestHopperFusedWU's and
+    test_fused_wu_dispatch's), so that kernel a's own dispatch is what these tests see."""
 
-    ON = ops.KernelOptions()
+    ON = dataclasses.replace(ops.KernelOptions(), hopper_fused_wu=False)
     OFF = dataclasses.replace(ops.KernelOptions(), hopper_intra_fwd=False)
 
     def test_on_by_default(self):
-        assert self.ON.hopper_intra_fwd
+        assert ops.KernelOptions().hopper_intra_fwd and ops.KernelOptions().hopper_fused_wu
 
     @staticmethod
     def _count_calls(monkeypatch):
