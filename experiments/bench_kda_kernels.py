@@ -99,7 +99,7 @@ flags.DEFINE_list("ablate_kernels", ["intra_fwd", "intra_bwd"], "kernels of the 
                   "intra_fwd, intra_fwd_save, intra_fwd_split, state_fwd, "
                   "state_fwd_vp, state_fwd_hopper, output_fwd, intra_bwd, intra_bwd_split, intra_bwd_a, "
                   "intra_bwd_b, intra_bwd_a_hopper, intra_bwd_b_hopper, intra_fwd_a, intra_fwd_a_hopper, "
-                  "intra_fwd_hopper, intra_fwd_cumsum_hopper")
+                  "intra_fwd_hopper")
 flags.DEFINE_list("ablate_warps", ["8", "4"], "Triton num_warps values of the profiling mode (each "
                   "row is timed at every value; 0 = each kernel's default, common.*_PARAMS)")
 flags.DEFINE_list("variants", [], "profiling mode: ops.KernelOptions variants whose whole op is "
@@ -278,14 +278,13 @@ ABLATION_NAMES = {"intra_fwd": common.FWD_ABLATIONS + ("gate_cumsum",),
                   "state_fwd_vp": ("bf16_dots",), "output_fwd": ("bf16_dots",),
                   "state_fwd_hopper": (), "intra_bwd_a_hopper": hopper_bwd.ABLATIONS,
                   "intra_bwd_b_hopper": (), "intra_fwd_a": (), "intra_fwd_a_hopper": (),
-                  "intra_fwd_hopper": (), "intra_fwd_cumsum_hopper": ()}
+                  "intra_fwd_hopper": ()}
 # The Mosaic GPU kernels (hopper*.py): no Triton num_warps; intra_bwd_a_hopper / intra_bwd_b_hopper
 # take intra_bwd_a's / intra_bwd_b's inputs, intra_fwd_a_hopper intra_fwd_a's, intra_fwd_hopper
-# intra_fwd_split's with G, intra_fwd_cumsum_hopper (the same with the gate cumsum in it) with g
-# (the backward kernel a's "input_copies" and "dL" ablations: its TMA copies of W, U, dU, A, G, q, k,
-# v, M skipped, its exact dL products skipped).
+# intra_fwd_split's with G (the backward kernel a's "input_copies" and "dL" ablations: its TMA copies
+# of W, U, dU, A, G, q, k, v, M skipped, its exact dL products skipped).
 MOSAIC_KERNELS = ("state_fwd_hopper", "intra_bwd_a_hopper", "intra_bwd_b_hopper", "intra_fwd_a_hopper",
-                  "intra_fwd_hopper", "intra_fwd_cumsum_hopper")
+                  "intra_fwd_hopper")
 # --variants: "base" = ops.KernelOptions() (the defaults: the seven round-3 options, pallas_cumsum,
 # bf16_state_bwd_dots and the hopper options but hopper_score_bwd on since
 # 2026-12-01), "round2" = ops.ROUND2_OPTIONS (every option off), '+'-joined short names of
@@ -302,8 +301,7 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "hopper_state": "hopper_state_fwd", "hopper_state_bwd": "hopper_state_bwd",
                   "hopper_fused": "hopper_fused_output", "hopper_intra": "hopper_intra_bwd",
                   "hopper_score": "hopper_score_bwd", "hopper_fwd": "hopper_intra_fwd",
-                  "hopper_wu": "hopper_fused_wu", "hopper_cumsum": "hopper_fused_cumsum",
-                  "fused_rc": "fused_reverse_cumsum"}
+                  "hopper_wu": "hopper_fused_wu"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 
@@ -361,7 +359,7 @@ def profile_inputs(B, T, H, K):
             "intra_bwd_a_hopper": (q, k, v, G, beta, do, du, h, dh, w, u, A, M),
             "intra_bwd_b_hopper": bwd_b_in,
             "intra_fwd_a": (q, k, G, beta), "intra_fwd_a_hopper": (q, k, G, beta),
-            "intra_fwd_hopper": (q, k, v, G, beta), "intra_fwd_cumsum_hopper": (q, k, v, g, beta),
+            "intra_fwd_hopper": (q, k, v, G, beta),
             "output_fwd": (qg, aqk, u, h), "intra_bwd": bwd_in, "intra_bwd_split": bwd_in}
 
 
@@ -408,8 +406,6 @@ def profile_fn(kernel: str, ablate: tuple, num_warps: int, K: int, interpret: bo
         return lambda *a: hopper_fwd.intra_fwd_a(*a, scale=sc, interpret=interpret)
     if kernel == "intra_fwd_hopper":          # Mosaic GPU, kernel a with W / U fused (intra_fwd_split's outputs)
         return lambda *a: hopper_fwd.intra_fwd(*a, scale=sc, interpret=interpret)
-    if kernel == "intra_fwd_cumsum_hopper":   # the same with the gate cumsum in the kernel (from g)
-        return lambda *a: hopper_fwd.intra_fwd(*a, scale=sc, gate_cumsum=True, interpret=interpret)
     if kernel == "output_fwd":
         return lambda *a: fwd.output_fwd(*a, chunk_size=CHUNK, out_dtype=bf, interpret=interpret,
                                          precision=prec, _params=params)

@@ -1,8 +1,7 @@
 """Kernel a of the intra-chunk forward on Hopper (the anchored scores and the solve),
 pallas_kernels.kda.hopper_fwd.intra_fwd_a, and its dispatch (ops.KernelOptions.hopper_intra_fwd, on
 by default since round 17 of kda_pallas_notes.md); hopper_fwd.intra_fwd, the same kernel with W and U
-fused in (hopper_fused_wu, on by default since round 18), and with the gate cumsum in it too
-(gate_cumsum=True; hopper_fused_cumsum, off: round 19, not yet run on a GPU).
+fused in (hopper_fused_wu, on by default since round 18).
 
 Held to the Triton kernel a (fwd.intra_fwd_a with bf16 operands and the gate cumsum outside) in Mosaic
 GPU interpret mode on CPU, with the interpreter's SMEM race detector, lowered for CUDA on CPU, bad
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import common, fwd, hopper_fwd, ops
+from pallas_kernels.kda import fwd, hopper_fwd, ops
 from tests.kda_testing import assert_rms_close, rms_ratio
 from tests.test_kda_hopper import _no_races
 from tests.test_kda_hopper_bwd import _inputs as _a_inputs
@@ -159,84 +158,6 @@ class TestHopperFusedWU:
         assert_rms_close("hopper_fused_wu forward-only o", o2, o1, 1e-3)
 
 
-def _g_inputs(B, T, H, K, V, seed=0):
-    """intra_fwd's inputs with the raw log-decay g (-5 sigmoid(N(0, 1)), fp32) in G's place, and G."""
-    q, k, v, _, beta = _inputs(B, T, H, K, seed, V=V)
-    g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(seed + 17), (B, T, H, K), jnp.float32))
-    return (q, k, v, g, beta), common.chunk_cumsum(g, 64)
-
-
-class TestHopperFusedCumsum:
-    """hopper_fwd.intra_fwd(gate_cumsum=True): the chunk cumsum of g inside the fused kernel."""
-
-    @pytest.mark.parametrize("K", [128, 64])
-    def test_matches_cumsum_then_kernel(self, K):
-        # Against the same kernel on G = XLA's chunk cumsum of g. Measured in interpret mode: G
-        # 6.4e-8 (RMS ratio; max 3.1e-5 absolute, one fp32 ulp at |G| ~ 300), qg 1.4e-11, w 1.5e-6,
-        # aqk 3.3e-4, M 1.8e-4 (bf16 operand rounding flips from G's last-bit differences).
-        (q, k, v, g, beta), G = _g_inputs(1, 128, 2, K, V=128)
-        names = ("qg", "kd", "w", "u", "aqk", "gl", "A", "M")
-        tol = dict(qg=1e-5, kd=1e-5, w=1e-4, u=1e-4, aqk=2e-3, gl=1e-6, A=1e-4, M=1e-3)
-        ref = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=True, interpret=True))(q, k, v, G, beta)
-        for save_solve in (True, False):
-            out = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve, gate_cumsum=True,
-                                                          interpret=True))(q, k, v, g, beta)
-            assert len(out) == (9 if save_solve else 6)
-            for name, o, r in zip(names, out, ref):
-                assert o.shape == r.shape and o.dtype == r.dtype, name
-                assert_rms_close(f"fused cumsum {name} save_solve={save_solve}", r, o, tol[name])
-            if save_solve:
-                G_out = out[-1]
-                assert G_out.shape == G.shape and G_out.dtype == jnp.float32
-                assert_rms_close("fused cumsum G", G, G_out, 1e-6)
-                np.testing.assert_allclose(np.asarray(G_out), np.asarray(G), rtol=0, atol=1e-4)
-
-    def test_no_smem_races(self):
-        # The parts and the ones matrix in the row operands' memory, G back into g's staging, the
-        # anchors' stores, G's TMA store against the solve's reuse of that memory.
-        (q, k, v, g, beta), _ = _g_inputs(1, 64, 1, 128, V=128)
-        assert _no_races(lambda *a, interpret: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=True, gate_cumsum=True,
-                                                                    interpret=interpret), (q, k, v, g, beta))
-
-    @pytest.mark.parametrize("K", [128, 64])
-    def test_lowers_for_cuda(self, K):
-        (q, k, v, g, beta), _ = _g_inputs(1, 128, 2, K, V=128)
-        for save_solve in (False, True):
-            f = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve, gate_cumsum=True))
-            text = f.trace(q, k, v, g, beta).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("custom_call @mosaic_gpu") == 1
-
-    def test_op_matches_option_off(self, monkeypatch):
-        # Through the op: hopper_fused_cumsum on against off (the cumsum kernel, then the fused
-        # kernel); the differentiated forward writes G for the backward, the forward-only one not.
-        calls = []
-        real = hopper_fwd.intra_fwd
-        monkeypatch.setattr(hopper_fwd, "intra_fwd",
-                            lambda *a, **kw: calls.append((kw["save_solve"], kw.get("gate_cumsum", False))) or real(*a, **kw))
-        x, _, do, dht = option_ab_inputs(75, "bfloat16", segments=False, lower_bound=-5.0, V=64, K=64, T=192)
-        on = dataclasses.replace(ops.KernelOptions(), hopper_fused_cumsum=True)
-        o, ht, grads = pallas_outputs(x, do, dht, on)
-        assert calls == [(True, True)]
-        o0, ht0, g0 = pallas_outputs(x, do, dht, ops.KernelOptions())
-        assert calls[1:] == [(True, False)]
-        assert_rms_close("hopper_fused_cumsum o", o0, o, 1e-3)
-        assert_rms_close("hopper_fused_cumsum ht", ht0, ht, 1e-4)
-        for name in GRAD_NAMES:
-            assert_rms_close(f"hopper_fused_cumsum {name}", g0[name], grads[name], 1e-3)
-        del calls[:]
-        o1, o2 = (jax.jit(lambda *a, opts=opts: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True, options=opts))(
-            x["q"], x["k"], x["v"], x["g"], x["beta"])[0] for opts in (on, ops.KernelOptions()))
-        assert calls == [(False, True), (False, False)]
-        assert_rms_close("hopper_fused_cumsum forward-only o", o2, o1, 1e-3)
-
-    def test_op_lowers_without_the_forward_cumsum(self):
-        # On a (faked) H200: the forward's cumsum kernel goes, the backward's reverse cumsum stays.
-        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), hopper_fused_cumsum=True), hopper_passes=True)
-        off = lowered_grad_text(ops.KernelOptions(), hopper_passes=True)
-        assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu")
-        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
-
-
 class TestHopperIntraFwdOption:
     """ops.KernelOptions.hopper_intra_fwd (on by default): where it applies the op's forward runs
     hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b;
@@ -355,24 +276,6 @@ class TestHopperIntraFwdGPU:
         print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
 
     @pytest.mark.parametrize("shape", [(8, 4096, 16, 128), (2, 1024, 4, 64)])
-    def test_fused_cumsum_matches_cumsum_kernel(self, shape):
-        # hopper_fwd.intra_fwd(gate_cumsum=True) (round 19) against the compiled cumsum kernel
-        # (the op's pallas_cumsum) and then the same fused kernel on its G; G itself first.
-        from pallas_kernels.kda import cumsum
-        B, T, H, K = shape
-        (q, k, v, g, beta), _ = _g_inputs(B, T, H, K, V=128)
-        G = jax.jit(lambda x: cumsum.chunk_cumsum(x, 64))(g)
-        ref = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=K ** -0.5, save_solve=True))(q, k, v, G, beta)
-        out = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=K ** -0.5, save_solve=True, gate_cumsum=True))(
-            q, k, v, g, beta)
-        errs = {"G": assert_rms_close(f"fused cumsum G {shape}", G, out[-1], 1e-6)}
-        assert float(jnp.max(jnp.abs(G - out[-1]))) < 1e-3
-        tol = dict(qg=1e-3, kd=1e-3, w=1e-3, u=1e-3, aqk=3e-3, gl=1e-5, A=1e-3, M=2e-3)
-        errs.update({name: assert_rms_close(f"fused cumsum {name} {shape}", r, o, tol[name])
-                     for name, o, r in zip(("qg", "kd", "w", "u", "aqk", "gl", "A", "M"), out, ref)})
-        print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
-
-    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128), (2, 1024, 4, 64)])
     def test_fused_wu_matches_triton_pair(self, shape):
         # hopper_fwd.intra_fwd (W, U fused; round 18) against the compiled Triton kernels a and b.
         B, T, H, K = shape
@@ -384,22 +287,4 @@ class TestHopperIntraFwdGPU:
         tol = dict(qg=1e-3, kd=1e-3, w=1e-4, u=1e-4, aqk=1e-3, gl=1e-5, A=1e-3, M=1e-4)
         errs = {name: assert_rms_close(f"fused W / U {name} {shape}", r, o, tol[name])
                 for name, o, r in zip(("qg", "kd", "w", "u", "aqk", "gl", "A", "M"), out, ref)}
-        print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
-
-    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128), (2, 1024, 4, 64)])
-    def test_fused_cumsum_matches_cumsum_kernel(self, shape):
-        # hopper_fwd.intra_fwd(gate_cumsum=True) (round 19) against the compiled cumsum kernel
-        # (the op's pallas_cumsum) and then the same fused kernel on its G; G itself first.
-        from pallas_kernels.kda import cumsum
-        B, T, H, K = shape
-        (q, k, v, g, beta), _ = _g_inputs(B, T, H, K, V=128)
-        G = jax.jit(lambda x: cumsum.chunk_cumsum(x, 64))(g)
-        ref = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=K ** -0.5, save_solve=True))(q, k, v, G, beta)
-        out = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=K ** -0.5, save_solve=True, gate_cumsum=True))(
-            q, k, v, g, beta)
-        errs = {"G": assert_rms_close(f"fused cumsum G {shape}", G, out[-1], 1e-6)}
-        assert float(jnp.max(jnp.abs(G - out[-1]))) < 1e-3
-        tol = dict(qg=1e-3, kd=1e-3, w=1e-3, u=1e-3, aqk=3e-3, gl=1e-5, A=1e-3, M=2e-3)
-        errs.update({name: assert_rms_close(f"fused cumsum {name} {shape}", r, o, tol[name])
-                     for name, o, r in zip(("qg", "kd", "w", "u", "aqk", "gl", "A", "M"), out, ref)})
         print(shape, {k: f"{v:.2g}" for k, v in errs.items()})

@@ -3,7 +3,6 @@
 The kernel against XLA's chunk cumsum (common.chunk_cumsum) in both directions, the option through the
 op (o, ht and every gradient vs the same options without it, bounded with segment_ids and unbounded),
 its Triton lowering for a faked H200, and bad input. Interpret mode on CPU; the `gpu` class compiles it.
-Also the backward's reverse cumsum inside the Triton kernel b (ops.KernelOptions.fused_reverse_cumsum).
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import bwd, common, cumsum, ops
+from pallas_kernels.kda import common, cumsum, ops
 from tests.kda_testing import GRAD_NAMES, assert_rms_close
 from tests.test_kda_pallas import lowered_grad_text, option_ab_inputs, pallas_outputs
 
@@ -107,62 +106,3 @@ class TestPallasCumsumOption:
 class TestPallasCumsumGPU(TestPallasCumsum):
     interpret = False
     shape = (8, 4096, 4, 128)
-
-
-class TestFusedReverseCumsum:
-    """bwd.intra_bwd_b(reverse_cumsum=True) and ops.KernelOptions.fused_reverse_cumsum: the reverse
-    cumsum of dG inside the compact Triton kernel b instead of the cumsum kernel after it."""
-    interpret = True
-    shape = (1, 128, 2, 64)
-
-    @pytest.mark.parametrize("unbounded", [False, True])
-    def test_kernel_b_matches_cumsum_after(self, unbounded):
-        # dq, dk bit-equal; dg = the reverse chunk cumsum of the per-row dG up to fp32 rounding.
-        from experiments import bench_kda_kernels as bk
-        args = bk.profile_inputs(*self.shape)["intra_bwd_b"]
-        kw = dict(scale=0.125, chunk_size=C, interpret=self.interpret, bf16_dots=True, gate_cumsum=True,
-                  compact_offdiag=True, unbounded=unbounded)
-        dq0, dk0, dG = jax.jit(lambda *a: bwd.intra_bwd_b(*a, **kw))(*args)
-        dq, dk, dg = jax.jit(lambda *a: bwd.intra_bwd_b(*a, reverse_cumsum=True, **kw))(*args)
-        np.testing.assert_array_equal(np.asarray(dq0, np.float32), np.asarray(dq, np.float32))
-        np.testing.assert_array_equal(np.asarray(dk0, np.float32), np.asarray(dk, np.float32))
-        ref = common.chunk_cumsum(dG, C, reverse=True)
-        assert dg.dtype == jnp.float32 and dg.shape == ref.shape
-        np.testing.assert_allclose(np.asarray(dg), np.asarray(ref), rtol=0,
-                                   atol=2e-6 * max(float(jnp.max(jnp.abs(ref))), 1.0))
-
-    def test_needs_compact_and_gate_cumsum(self):
-        from experiments import bench_kda_kernels as bk
-        args = bk.profile_inputs(1, 64, 1, 32)["intra_bwd_b"]
-        for kw in (dict(compact_offdiag=False, gate_cumsum=True), dict(compact_offdiag=True, gate_cumsum=False)):
-            with pytest.raises(ValueError, match="reverse_cumsum"):
-                bwd.intra_bwd_b(*args, scale=0.1, chunk_size=C, interpret=True, reverse_cumsum=True, **kw)
-
-    @pytest.mark.parametrize("dtype, segments, lower_bound", [("bfloat16", True, -5.0),
-                                                              ("float32", False, None)])
-    def test_op_matches_option_off(self, dtype, segments, lower_bound):
-        # o, ht identical (the forward is untouched); every gradient vs the cumsum kernel after
-        # kernel b (the defaults, UNBOUNDED_OPTIONS for lower_bound=None): dg differs by rounding.
-        x, seg, do, dht = option_ab_inputs(51, dtype, segments=segments, lower_bound=lower_bound, V=64)
-        base = ops.KernelOptions() if lower_bound is not None else ops.UNBOUNDED_OPTIONS
-        on = dataclasses.replace(base, fused_reverse_cumsum=True)
-        kw = dict(lower_bound=lower_bound, segment_ids=seg)
-        o0, ht0, g0 = pallas_outputs(x, do, dht, base, **kw)
-        o, ht, grads = pallas_outputs(x, do, dht, on, **kw)
-        np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
-        np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
-        for name in GRAD_NAMES:
-            assert_rms_close(f"fused_reverse_cumsum {name}", g0[name], grads[name], 1e-4 if name == "dg" else 1e-6)
-
-    def test_op_lowers_without_the_reverse_cumsum_kernel(self):
-        on = lowered_grad_text(dataclasses.replace(ops.KernelOptions(), fused_reverse_cumsum=True), T=1024)
-        off = lowered_grad_text(ops.KernelOptions(), T=1024)
-        assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
-        assert "kda_chunk_cumsum_rev" in off and "kda_chunk_cumsum_rev" not in on
-
-
-@pytest.mark.gpu
-class TestFusedReverseCumsumGPU:
-    interpret = False
-    shape = (2, 1024, 4, 128)
-    test_kernel_b_matches_cumsum_after = TestFusedReverseCumsum.test_kernel_b_matches_cumsum_after

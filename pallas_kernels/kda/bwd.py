@@ -495,9 +495,8 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
         for r = 0, 1, 2 (rows of blocks <= r zeroed by a select).
     Same sums as _score_bwd (whose column side groups by the row block's anchor instead): equal up
     to rounding. G_ref holds the chunk cumsum G (fp32; XLA's with gate_cumsum, else kernel a's).
-    dq, dk, dg are stored per row block; the reverse cumsum of dG (without gate_cumsum, or with the
-    flag "reverse_cumsum") runs from the last block to the first with the running total of the
-    later blocks.
+    dq, dk, dg are stored per row block; the reverse cumsum of dG (without gate_cumsum) runs from
+    the last block to the first with the running total of the later blocks.
     flags "unbounded" (no lower_bound): the diagonal tile is _own_block_bwd's exact elementwise form
     instead of the 4 own-anchor dots (whose e^{anc_r - G} overflows); the row side and the column
     side are unchanged (their exponents are <= 0 for any g <= 0).
@@ -580,7 +579,7 @@ def _intra_bwd_b_compact_kernel(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, 
             dq = dqp_ref[rows, :] + scale * (ea * sa_q + pq)
             dk = dkp_ref[rows, :] + (ea * sa_m + pm) + sb
             dG = dgp_ref[rows, :] + (kt * sa_m + k * pm) + (qt * sa_q + scale * q * pq) - k * sb
-        if gate_cumsum and "reverse_cumsum" not in flags:
+        if gate_cumsum:
             dg = _last_row_plus(dG, dgl) if r == ns - 1 else dG
         else:
             total = jnp.sum(dG, axis=0, keepdims=True)
@@ -611,7 +610,7 @@ def _intra_bwd_io_only(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, du_ref, h_r
 def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
               interpret: bool, split: bool = False, bf16_dots: bool = False,
               gate_cumsum: bool = False, segments=None, compact_offdiag: bool = False,
-              unbounded: bool = False, state_block_v: int | None = None, reverse_cumsum: bool = False,
+              unbounded: bool = False, state_block_v: int | None = None,
               _ablate: tuple[str, ...] = (), _params=None):
     """Intra-chunk gradients, one program per (batch, head, chunk).
 
@@ -639,8 +638,6 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
     unbounded: g has no lower bound (any g <= 0): the compact kernel's diagonal tiles use the exact
       elementwise form (_own_block_bwd). Needs compact_offdiag=True and gate_cumsum=True (the
       tested combination); False: the bounded kernels, unchanged.
-    reverse_cumsum: with gate_cumsum and compact_offdiag, dg is final after all: the reverse
-      cumsum runs in kernel b (intra_bwd_b; ops.KernelOptions.fused_reverse_cumsum).
     state_block_v: None, or BV > 0: kernel a of the split backward forms the state products over
       V blocks of min(BV, V) columns (intra_bwd_a; ops.KernelOptions.tile_state_bwd); it exists
       only in the split kernels, so it implies split=True.
@@ -648,8 +645,8 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
       common.BWD_ABLATIONS whose part of the kernel body is replaced by a cheap stand-in.
     _params: PRIVATE profiling option: Triton compiler params (default common.INTRA_PARAMS).
     Raises: ValueError for an unknown _ablate name, any _ablate with split / compact_offdiag /
-      state_block_v (kernel a's ablations: intra_bwd_a), unbounded or reverse_cumsum without
-      compact_offdiag and gate_cumsum, or a bad state_block_v.
+      state_block_v (kernel a's ablations: intra_bwd_a), unbounded without compact_offdiag and
+      gate_cumsum, or a bad state_block_v.
     """
     ablate = cm.check_ablate(_ablate, cm.BWD_ABLATIONS, "_ablate")
     if unbounded and not (compact_offdiag and gate_cumsum):
@@ -662,10 +659,7 @@ def intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chun
                                chunk_size=chunk_size, interpret=interpret, bf16_dots=bf16_dots,
                                gate_cumsum=gate_cumsum, segments=segments,
                                compact_offdiag=compact_offdiag, unbounded=unbounded,
-                               state_block_v=state_block_v, reverse_cumsum=reverse_cumsum,
-                               _params=_params)
-    if reverse_cumsum:
-        raise ValueError("reverse_cumsum=True needs compact_offdiag (kernel b of the split backward)")
+                               state_block_v=state_block_v, _params=_params)
     if bf16_dots and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16):
         ablate = ablate | {"bf16_dots"}          # the same code path as the timing ablation
     B, T, H, K = q.shape
@@ -761,7 +755,7 @@ def intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, ch
 def intra_bwd_b(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, chunk_size: int,
                 interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
                 compact_offdiag: bool = False, unbounded: bool = False, g_head_major: bool = False,
-                reverse_cumsum: bool = False, _params=None):
+                _params=None):
     """Kernel b of intra_bwd_split ("kda_intra_bwd_b"), one program per (batch, head, chunk): the
     anchored score-tile backward and the per-row dg.
 
@@ -770,26 +764,19 @@ def intra_bwd_b(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, chunk_si
       G output [B, H, T, K] fp32 (write_G: compact_offdiag without gate_cumsum); dqp, dkp, dgp
       [B, H, T, K], dgl [B, H, NT, K], dM, dAqk [B, H, T, C] (kernel a's fp32 outputs).
       bf16_dots, gate_cumsum, compact_offdiag, unbounded as intra_bwd_split.
-      reverse_cumsum: with gate_cumsum and compact_offdiag, the chunk-local reverse cumsum of dG in
-        the kernel too (row block by row block, as without gate_cumsum), so that dg is final and
-        the reverse cumsum kernel after it is not needed (ops.KernelOptions.fused_reverse_cumsum).
     Returns: dq, dk [B, T, H, K] (q's dtype), dg [B, T, H, K] fp32 (per row before the reverse
-      cumsum with gate_cumsum and not reverse_cumsum; else final).
-    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum, or reverse_cumsum
-      without them.
+      cumsum with gate_cumsum; else final).
+    Raises: ValueError for unbounded without compact_offdiag and gate_cumsum.
     """
     if unbounded and not (compact_offdiag and gate_cumsum):
         raise ValueError(f"{unbounded=} runs only in the compact score-tile backward with the XLA "
                          f"gate cumsum; got {compact_offdiag=}, {gate_cumsum=}")
-    if reverse_cumsum and not (compact_offdiag and gate_cumsum):
-        raise ValueError(f"reverse_cumsum=True needs compact_offdiag and gate_cumsum (without gate_cumsum "
-                         f"the reverse cumsum is in the kernel anyway); got {compact_offdiag=}, {gate_cumsum=}")
     B, T, H, K = q.shape
     C = chunk_size
     sp = cm.chunk_specs(C, K, K)
     ik, tk, ta, tg = sp.ik, sp.tk, sp.ta, sp.tg
     flags = cm.split_kernel_flags(q.dtype, bf16_dots=bf16_dots, gate_cumsum=gate_cumsum, segmented=False,
-                         unbounded=unbounded) | ({"reverse_cumsum"} if reverse_cumsum else set())
+                         unbounded=unbounded)
     kernel_b = _intra_bwd_b_compact_kernel if compact_offdiag else _intra_bwd_b_kernel
     return pl.pallas_call(
         functools.partial(kernel_b, scale=scale, dtype=q.dtype, flags=flags), grid=(B, H, T // C),
@@ -805,7 +792,7 @@ def intra_bwd_b(q, k, g, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, chunk_si
 def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float, chunk_size: int,
                     interpret: bool, bf16_dots: bool = False, gate_cumsum: bool = False,
                     segments=None, compact_offdiag: bool = False, unbounded: bool = False,
-                    state_block_v: int | None = None, reverse_cumsum: bool = False, _params=None):
+                    state_block_v: int | None = None, _params=None):
     """intra_bwd as two kernels, each one program per (batch, head, chunk); same args and returns.
 
     Kernel a ("kda_intra_bwd_a", intra_bwd_a): the state products, the W / U and (I + L)^-1
@@ -837,5 +824,5 @@ def intra_bwd_split(q, k, v, g, beta, do, du, h, dh, w, u, A, M, *, scale: float
                              scale=scale, chunk_size=chunk_size, interpret=interpret,
                              bf16_dots=bf16_dots, gate_cumsum=gate_cumsum,
                              compact_offdiag=compact_offdiag, unbounded=unbounded,
-                             g_head_major=write_G, reverse_cumsum=reverse_cumsum, _params=_params)
+                             g_head_major=write_G, _params=_params)
     return dq, dk, dv, dg, dbeta

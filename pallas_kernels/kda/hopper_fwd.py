@@ -85,7 +85,7 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
     return _intra(q, k, None, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
 
 
-def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False, gate_cumsum: bool = False,
+def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False,
               interpret: bool | plgpu.InterpretGPUParams = False):
     """Both intra-chunk forward kernels in one (intra_fwd_a and the Triton kernel b, fwd.intra_fwd_b,
     fla's recompute_w_u): intra_fwd_a's kernel, then with (I + beta M)^-1 still in registers
@@ -95,18 +95,10 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False, gate_
     to the memory of the column operand after the scores, v arrives by TMA during the solve into
     the row operands' memory: SMEM as intra_fwd_a (98 KiB at K = V = 128).
 
-    With gate_cumsum the chunk cumsum of g is formed in the kernel too (G = L g with L the [64, 64]
-    lower-triangular ones, as three [64, 64] x [64, HALF] wgmma on the exact three-way bf16 split of g:
-    the same sums as a fp32 cumsum up to fp32 rounding; the split parts use the row operands' memory
-    before the row operands are written), so that the separate cumsum kernel (one read of g and one
-    write of G, ~0.15 ms at 8x4096x16) goes; G is written (by TMA) only with save_solve.
-
-    Args: v [B, T, H, V] bf16 (V in HEAD_DIMS); G: as intra_fwd_a, or with gate_cumsum the
-      log-decay g itself ([B, T, H, K] fp32, nats, before the cumsum); the rest as intra_fwd_a.
+    Args: v [B, T, H, V] bf16 (V in HEAD_DIMS); the rest as intra_fwd_a.
     Returns (as fwd.intra_fwd_split with bf16 inputs, bf16_dots and gate_cumsum): qg, kd [B, H, T, K]
       bf16; w [B, H, T, K] fp32; u [B, H, T, V] fp32; aqk [B, H, T, 64] bf16; gl [B, H, T / 64, K] fp32;
-      with save_solve also A, M [B, H, T, 64] fp32, and with save_solve and gate_cumsum last G
-      [B, T, H, K] fp32 (token-major as g: the chunk-local inclusive cumsum the backward reads).
+      with save_solve also A, M [B, H, T, 64] fp32.
     Raises: ValueError as intra_fwd_a, and for v not bf16 [B, T, H, V] with V in HEAD_DIMS.
     Measured: round 18 of kda_pallas_notes.md (ops.KernelOptions.hopper_fused_wu, on by default).
     """
@@ -115,49 +107,16 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False, gate_
     if v.ndim != 4 or v.shape[:3] != q.shape[:3] or v.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"v must be [B, T, H, V] with (B, T, H) = {q.shape[:3]} and V in {HEAD_DIMS}; "
                          f"got {v.shape}")
-    return _intra(q, k, v, G, beta, scale=scale, save_solve=save_solve, interpret=interpret,
-                  gate_cumsum=gate_cumsum)
+    return _intra(q, k, v, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
 
 
-def _cumsum_half(g_in, tri_s, part_bufs, ri, ci, write_ones):
-    """G = L g for one [64, HALF] half of the chunk in g_in (fp32 staging; overwritten with G, and
-    returned in registers): g = p0 + p1 + p2 exactly (bf16 parts: 8 + 8 + 8 significant bits, the
-    rest below fp32's ulp), each part one [64, 64] x [64, HALF] wgmma against the ones matrix L in
-    tri_s (written when write_ones), accumulated in fp32; as many parts per round as part_bufs hold."""
-    if write_ones:
-        tri_s[...] = jnp.where(ri >= ci, 1.0, 0.0).astype(BF16)
-    x = _load(g_in)
-    parts = []
-    for _ in range(3):
-        p = x.astype(BF16)
-        parts.append(p)
-        x = x - p.astype(F32)
-    total = None
-    for i in range(0, 3, len(part_bufs)):
-        group = list(zip(part_bufs, parts[i:i + len(part_bufs)]))
-        for buf, p in group:
-            buf[...] = p
-        plgpu.commit_smem()
-
-        def dot(acc, group=group):
-            for buf, _ in group:
-                plgpu.wgmma(acc, tri_s, buf)
-            return acc[...]
-        res = pl.run_scoped(dot, plgpu.ACC((CHUNK, HALF), F32))
-        plgpu.commit_smem()                  # every warp's wgmma reads of the parts are done
-        total = res if total is None else total + res
-    g_in[...] = total
-    return total
-
-
-def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False):
-    """intra_fwd_a (v None) or intra_fwd's kernel (gate_cumsum: G is g, cumsum in the kernel)."""
+def _intra(q, k, v, G, beta, *, scale, save_solve, interpret):
+    """intra_fwd_a (v None) or intra_fwd's kernel."""
     B, T, H, K = _check(q, k, G, beta)
     C, KH, BH, NT = CHUNK, K // HALF, B * H, T // CHUNK
     wu = v is not None
     V = v.shape[-1] if wu else 0
     VH = V // HALF
-    write_G = gate_cumsum and save_solve
 
     def body(*refs):
         if wu:
@@ -166,7 +125,6 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
         else:
             q_ref, k_ref, G_ref, beta_ref, qg_ref, kd_ref, aqk_ref, gl_ref, a_ref, *rest = refs
             m_ref = rest[0] if save_solve else None
-        G_out = rest[-7] if write_G else None
         k_in, anc_s, first, second, bar, bar_v = rest[-6:]
         q_in, bk_s = first                   # q, then the column operand (later X: x_s = bk_s)
         x_s = bk_s
@@ -179,9 +137,8 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
         for kh in range(KH):
             for src, dst in ((q_ref, q_in), (k_ref, k_in), (G_ref, g_in)):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, hh, halves[kh]], dst.at[kh], bar)
-        if not gate_cumsum:
-            for r in range(NB):              # G's rows 15, 31, 47 (the anchors) and 63 (G_last)
-                plgpu.copy_gmem_to_smem(G_ref.at[b, c * C + (r + 1) * BT - 1, hh], anc_s.at[r], bar)
+        for r in range(NB):                  # G's rows 15, 31, 47 (the anchors) and 63 (G_last)
+            plgpu.copy_gmem_to_smem(G_ref.at[b, c * C + (r + 1) * BT - 1, hh], anc_s.at[r], bar)
         beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]          # one 256-byte read
         rb_k = _iota((C, HALF), 0) >> 4             # row block (BT = 16)
 
@@ -189,19 +146,6 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
             return _load(anc_s.at[jnp.maximum(r - 1, 0), cols], _COL) * jnp.asarray(r > 0, F32)
 
         plgpu.barrier_wait(bar)
-        if gate_cumsum:                      # g_in holds g: G = L g in place, its anchor rows to anc_s
-            ri_c, ci_c = _iota((C, C), 0), _iota((C, C), 1)
-            # the ones matrix and the parts in the row operands' memory (written after this)
-            part_bufs = [ak_s.at[kh] for kh in range(1, KH)] + [aq_s.at[kh] for kh in range(KH)]
-            for kh in range(KH):
-                Gh = _cumsum_half(g_in.at[kh], ak_s.at[0], part_bufs, ri_c, ci_c, write_ones=kh == 0)
-                for r in range(NB):          # G's rows 15, 31, 47 (the anchors) and 63 (G_last)
-                    anc_s.at[r, halves[kh]][...] = jnp.sum(
-                        jnp.where(_iota((C, HALF), 0) == (r + 1) * BT - 1, Gh, 0.0), axis=0)
-            plgpu.commit_smem()              # G and the anchors visible to every thread and the TMA
-            if write_G:
-                for kh in range(KH):
-                    plgpu.copy_smem_to_gmem(g_in.at[kh], G_out.at[b, rows, hh, halves[kh]])
         # the row operands (k ea, scale q ea) and the elementwise outputs, per K half
         for kh in range(KH):
             g = _load(g_in.at[kh])
@@ -240,8 +184,6 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
 
         zero = plgpu.layout_cast(jnp.zeros((C, C), F32), _WG)
         m, aqk = lax.fori_loop(0, NB, score_step, (zero, zero))
-        if write_G:                          # G's TMA stores have read g_in before d_s / v_s reuse it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         # (the last step's fence: the solve's buffers, g_in / ak_s / aq_s's memory, are free)
         if wu:
             for kh in range(KH):             # X = beta e^G k into the column operand's memory
@@ -303,7 +245,6 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
     out_type = [bf_k, bf_k] + ([f_k, jax.ShapeDtypeStruct((BH, T, V), F32)] if wu else [])
     out_type += [jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32)]
     out_type += ([f_c] if not wu or save_solve else []) + ([f_c] if save_solve else [])
-    out_type += [jax.ShapeDtypeStruct((B, T, H, K), F32)] if write_G else []
     # SMEM (K = V = 128), 98 KiB so that two CTAs share an SM (v1, 160 KiB, one CTA: 1.5x slower than
     # the Triton kernel a): k 16 KiB; the anchor rows 2 KiB; q, later the column operand, later X,
     # 16 KiB; G and the row operands, later the solve's D (two buffers), Loff and D Loff and v, 64 KiB
@@ -314,12 +255,9 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, gate_cumsum=False)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
         scratch_types=[_operand((KH, C, HALF)), plgpu.SMEM((NB, K), F32), first, second,
-                       plgpu.Barrier(num_arrivals=3 * KH + (0 if gate_cumsum else NB)),
-                       plgpu.Barrier(num_arrivals=max(VH, 1))],
+                       plgpu.Barrier(num_arrivals=3 * KH + NB), plgpu.Barrier(num_arrivals=max(VH, 1))],
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
         interpret=interpret_params(interpret))
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     outs = kernel(q, k, *([v] if wu else []), G, beta_hm)
-    G_saved = (outs[-1],) if write_G else ()
-    outs = outs[:len(outs) - len(G_saved)]
-    return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs) + G_saved
+    return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)

@@ -253,15 +253,6 @@ class KernelOptions:
       Measured on the H200 (one process, 2026-12-01 21:53 UTC): op 1.78 -> 1.51 ms forward and
       6.61 -> 6.33 ms forward+backward at 8x4096x16x128; errors vs the fp32 recurrence identical
       to 3 digits.
-    hopper_fused_cumsum (off: round 19 of kda_pallas_notes.md, not yet run on a GPU): where
-      hopper_fused_wu runs, the chunk cumsum of g is formed in that kernel too (G = L g as three
-      wgmma on an exact bf16 split of g, hopper_fwd.intra_fwd(gate_cumsum=True)) instead of the
-      cumsum kernel before it; G is written for the backward only. Same sums up to fp32 rounding.
-    fused_reverse_cumsum (off: round 19 of kda_pallas_notes.md, not yet run on a GPU): the
-      backward's chunk-local reverse cumsum of dG in the compact Triton kernel b
-      (bwd.intra_bwd_b(reverse_cumsum=True), row block by row block) instead of the cumsum kernel
-      after it (one read and one write of dG, ~0.15 ms at 8x4096x16); where that kernel b runs
-      (xla_gate_cumsum and compact_offdiag_bwd, with either kernel a, hopper_score_bwd not applying).
     """
 
     split_intra_bwd: bool = True
@@ -281,8 +272,6 @@ class KernelOptions:
     hopper_score_bwd: bool = False
     hopper_intra_fwd: bool = True
     hopper_fused_wu: bool = True
-    hopper_fused_cumsum: bool = False
-    fused_reverse_cumsum: bool = False
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -292,8 +281,7 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
                                hopper_fused_output=False, hopper_intra_bwd=False,
-                               hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False,
-                               hopper_fused_cumsum=False, fused_reverse_cumsum=False)
+                               hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -306,8 +294,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
                                   hopper_fused_output=True, hopper_intra_bwd=True,
-                                  hopper_score_bwd=False, hopper_intra_fwd=True, hopper_fused_wu=True,
-                                  hopper_fused_cumsum=False, fused_reverse_cumsum=False)
+                                  hopper_score_bwd=False, hopper_intra_fwd=True, hopper_fused_wu=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
 # forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
@@ -316,7 +303,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
                      "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd",
-                     "hopper_intra_fwd", "hopper_fused_wu", "hopper_fused_cumsum", "fused_reverse_cumsum")
+                     "hopper_intra_fwd", "hopper_fused_wu")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -498,36 +485,11 @@ def use_hopper_intra_fwd(q, unbounded, rel, interpret, options) -> bool:
             and (bool(interpret) or hopper.is_hopper()))
 
 
-def use_fused_gate_cumsum(q, v, unbounded, rel, interpret, options) -> bool:
-    """Whether the chunk cumsum of g runs inside hopper_fwd.intra_fwd (KernelOptions.
-    hopper_fused_cumsum): where the fused W / U kernel runs (use_hopper_intra_fwd, hopper_fused_wu,
-    V in hopper.HEAD_DIMS); q, v: the padded token-major queries and values."""
-    return (options.hopper_fused_cumsum and options.hopper_fused_wu and v.shape[-1] in hopper.HEAD_DIMS
-            and use_hopper_intra_fwd(q, unbounded, rel, interpret, options))
-
-
-def _gate_and_intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, unbounded,
-                        save_solve):
-    """The gate cumsum (with options.xla_gate_cumsum: a kernel of its own, or inside the Hopper
-    forward kernel with use_fused_gate_cumsum) and the intra-chunk forward (_intra_fwd). g: the
-    log-decay. Returns (G, factors): G the chunk cumsum of g as the backward reads it (g itself
-    without xla_gate_cumsum; None for a fused forward-only call, which does not write it) and
-    _intra_fwd's outputs."""
-    if use_fused_gate_cumsum(q, v, unbounded, rel, interpret, options):
-        out = hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve, gate_cumsum=True,
-                                   interpret=interpret)
-        return (out[-1], out[:-1]) if save_solve else (None, out)
-    if options.xla_gate_cumsum:
-        g = _gate_cumsum(g, chunk_size, options, interpret)
-    return g, _intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                         options=options, unbounded=unbounded, save_solve=save_solve)
-
-
 def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, unbounded, save_solve):
     """The intra-chunk forward: fwd.intra_fwd (one or two Triton kernels), or with
     use_hopper_intra_fwd the Mosaic GPU kernel a and the Triton kernel b, or with hopper_fused_wu
     too (and V in hopper.HEAD_DIMS) the one Mosaic GPU kernel hopper_fwd.intra_fwd; same outputs
-    (qg, kd, w, u, aqk, gl, and A, M with save_solve). g: G with options.xla_gate_cumsum."""
+    (qg, kd, w, u, aqk, gl, and A, M with save_solve)."""
     fd = factor_dtypes(q.dtype)
     if not use_hopper_intra_fwd(q, unbounded, rel, interpret, options):
         return fwd.intra_fwd(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, interpret=interpret,
@@ -547,19 +509,15 @@ def _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, *, scale, chunk
                unbounded):
     """The intra-chunk backward: the Triton kernels (bwd.intra_bwd, one or two kernels), with kernel a
     (KernelOptions.hopper_intra_bwd) and / or kernel b (hopper_score_bwd) on Hopper where they
-    apply; returns (dq, dk, dv, dg, dbeta, final): final says whether dg is already the reverse
-    cumsum (options.fused_reverse_cumsum in the Triton kernel b) rather than dG per row."""
+    apply; same outputs (dq, dk, dv, dg, dbeta)."""
     hopper_a = use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options)
     hopper_b = use_hopper_score_bwd(q, unbounded, interpret, options)
-    fused_rc = (options.fused_reverse_cumsum and options.compact_offdiag_bwd and options.xla_gate_cumsum
-                and not hopper_b)
     if not (hopper_a or hopper_b):
-        return *bwd.intra_bwd(
+        return bwd.intra_bwd(
             q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale, chunk_size=chunk_size,
             interpret=interpret, split=options.split_intra_bwd, bf16_dots=options.bf16_intra_dots,
             gate_cumsum=options.xla_gate_cumsum, segments=rel, compact_offdiag=options.compact_offdiag_bwd,
-            unbounded=unbounded, state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd else None),
-            reverse_cumsum=fused_rc), fused_rc
+            unbounded=unbounded, state_block_v=(bwd.STATE_BLOCK_V if options.tile_state_bwd else None))
     if hopper_a:
         dv, dbeta, *parts = hopper_bwd.intra_bwd_a(q, k, v, g, beta, do, du, h, dh, w, u, A, M, scale=scale,
                                                    interpret=interpret)
@@ -570,11 +528,11 @@ def _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, *, scale, chunk
             state_block_v=bwd.STATE_BLOCK_V if options.tile_state_bwd else None)
     if hopper_b:
         dq, dk, dg = hopper_score_bwd.intra_bwd_b(q, k, g, *parts, scale=scale, interpret=interpret)
-        return dq, dk, dv, dg, dbeta, False
-    dq, dk, dg = bwd.intra_bwd_b(q, k, g, *parts, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                                 bf16_dots=True, gate_cumsum=True, compact_offdiag=options.compact_offdiag_bwd,
-                                 unbounded=unbounded, reverse_cumsum=fused_rc)
-    return dq, dk, dv, dg, dbeta, fused_rc
+    else:
+        dq, dk, dg = bwd.intra_bwd_b(q, k, g, *parts, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                                     bf16_dots=True, gate_cumsum=True,
+                                     compact_offdiag=options.compact_offdiag_bwd, unbounded=unbounded)
+    return dq, dk, dv, dg, dbeta
 
 
 def _gate_cumsum(x, chunk_size, options, interpret, reverse=False):
@@ -596,8 +554,10 @@ def _core(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks, int
     options.parallel_output sends them to fwd.output_fwd; the fused Hopper pass,
     hopper.state_output_fwd, does not write them).
     """
-    _, fac = _gate_and_intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                                 options=options, unbounded=unbounded, save_solve=False)
+    if options.xla_gate_cumsum:
+        g = _gate_cumsum(g, chunk_size, options, interpret)
+    fac = _intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                     options=options, unbounded=unbounded, save_solve=False)
     o, _, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=False,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -609,9 +569,10 @@ def _core_fwd(q, k, v, g, beta, h0, rel, scale, chunk_size, block_v, seg_chunks,
     # The chunk factors and the solve (A, M) are SAVED, not recomputed in the backward: 2 x 16 KiB
     # fp32 per chunk and head against ~20 GEMMs of the recompute (kda_pallas_notes.md).
     # With options.xla_gate_cumsum the saved g is its chunk-local cumsum G.
-    g, (*fac, A, M) = _gate_and_intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size,
-                                          interpret=interpret, options=options, unbounded=unbounded,
-                                          save_solve=True)
+    if options.xla_gate_cumsum:
+        g = _gate_cumsum(g, chunk_size, options, interpret)
+    *fac, A, M = _intra_fwd(q, k, v, g, beta, rel, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                            options=options, unbounded=unbounded, save_solve=True)
     o, h, ht = _state_pass(fac, h0, chunk_size=chunk_size, block_v=block_v, seg_chunks=seg_chunks,
                            out_dtype=v.dtype, interpret=interpret, save_states=True,
                            state_dtype=saved_state_dtype(q.dtype), dtype=q.dtype, options=options)
@@ -634,10 +595,10 @@ def _core_bwd(scale, chunk_size, block_v, seg_chunks, interpret, options, unboun
         dh0 = dh0[:, :, 0]
     else:
         du, dh, dh0 = _state_bwd_pass(qg, kd, w, aqk, gl, do, dht, **pass_kw)
-    dq, dk, dv, dg, dbeta, final = _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, scale=scale,
+    dq, dk, dv, dg, dbeta = _intra_bwd(q, k, v, g, beta, do, du, h, dh, w, u, A, M, rel, scale=scale,
                                        chunk_size=chunk_size, interpret=interpret, options=options,
                                        unbounded=unbounded)
-    if options.xla_gate_cumsum and not final:
+    if options.xla_gate_cumsum:
         dg = _gate_cumsum(dg, chunk_size, options, interpret, reverse=True)
     return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None)
 
