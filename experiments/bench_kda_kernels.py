@@ -301,7 +301,7 @@ VARIANT_FIELDS = {"split_bwd": "split_intra_bwd", "par_out": "parallel_output",
                   "hopper_state": "hopper_state_fwd", "hopper_state_bwd": "hopper_state_bwd",
                   "hopper_fused": "hopper_fused_output", "hopper_intra": "hopper_intra_bwd",
                   "hopper_score": "hopper_score_bwd", "hopper_fwd": "hopper_intra_fwd",
-                  "hopper_wu": "hopper_fused_wu"}
+                  "hopper_wu": "hopper_fused_wu", "bf16_w": "hopper_bf16_w"}
 # Kernel-a V blocks of the profiling names "tile_state" and "tile_state32" (state_block_v).
 TILE_STATE_BLOCKS = {"tile_state": bwd.STATE_BLOCK_V, "tile_state32": 32}
 

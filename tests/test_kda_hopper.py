@@ -178,7 +178,7 @@ class TestHopperStateOutputFwd:
         with pytest.raises(ValueError, match="aqk"):
             hopper.state_output_fwd(kd, w, u, gl, h0, kd, aqk[..., :32])
         with pytest.raises(ValueError, match="fp32"):                                # the shared checks
-            hopper.state_output_fwd(kd, w.astype(jnp.bfloat16), u, gl, h0, kd, aqk)
+            hopper.state_output_fwd(kd, w.astype(jnp.float16), u, gl, h0, kd, aqk)
         with pytest.raises(ValueError, match="out_dtype"):
             hopper.state_output_fwd(kd, w, u, gl, h0, kd, aqk, out_dtype=jnp.float32)
 
@@ -222,7 +222,7 @@ class TestHopperStateBwd:
         with pytest.raises(ValueError, match="bf16"):
             hopper.state_bwd(qg, kd, w, aqk, gl, do.astype(jnp.float32), dht)
         with pytest.raises(ValueError, match="fp32"):
-            hopper.state_bwd(qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht)
+            hopper.state_bwd(qg, kd, w.astype(jnp.float16), aqk, gl, do, dht)
         with pytest.raises(ValueError, match="shapes"):
             hopper.state_bwd(qg, kd, w, aqk, gl, jnp.swapaxes(do, 1, 2), dht)       # dO head-major
         with pytest.raises(ValueError, match="NS = 3"):
@@ -248,7 +248,7 @@ class TestHopperStateFwdCPU:
         with pytest.raises(ValueError, match="bf16"):
             hopper.state_fwd(kd.astype(jnp.float32), w, u, gl, h0, interpret=True)
         with pytest.raises(ValueError, match="fp32"):
-            hopper.state_fwd(kd, w.astype(jnp.bfloat16), u, gl, h0, interpret=True)
+            hopper.state_fwd(kd, w.astype(jnp.float16), u, gl, h0, interpret=True)
         with pytest.raises(ValueError, match="K = 32"):
             hopper.state_fwd(kd[..., :32], w[..., :32], u, gl[..., :32], h0[..., :32], interpret=True)
         with pytest.raises(ValueError, match="V = 32"):
@@ -379,6 +379,57 @@ class TestHopperStateOptions:
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 3
 
 
+def _check_bf16_w(interpret, fwd_shape=(1, 1, 256, 128, 64), bwd_shape=(1, 1, 256, 128, 64)):
+    """state_output_fwd, state_fwd and state_bwd with W given in bf16 (ops.KernelOptions.hopper_bf16_w: copied
+    straight into double-buffered operands) against W in fp32 (rounded to bf16 in the kernel): the same
+    operand values, so the same outputs bit for bit."""
+    kd, w, u, gl, h0 = _inputs(*fwd_shape)
+    aqk = jnp.tril(jnp.ones((*fwd_shape[:2], fwd_shape[2] // 64, 64, 64))).reshape(*fwd_shape[:3], 64)
+    args = (kd, w, u, gl, h0, kd, (0.1 * aqk).astype(jnp.bfloat16))
+    run = jax.jit(lambda *a: hopper.state_output_fwd(*a, interpret=interpret))
+    for name, x, r in zip(("o", "h", "ht"), run(*args[:1], w.astype(jnp.bfloat16), *args[2:]), run(*args)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+    run = jax.jit(lambda *a: hopper.state_fwd(*a, interpret=interpret))
+    for name, x, r in zip(("vp", "h", "ht"), run(kd, w.astype(jnp.bfloat16), u, gl, h0), run(kd, w, u, gl, h0)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+    qg, kd, w, aqk, gl, do, dht = _bwd_inputs(*bwd_shape)
+    run = jax.jit(lambda *a: hopper.state_bwd(*a, interpret=interpret))
+    for name, x, r in zip(("du", "dh", "dh0"), run(qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht),
+                          run(qg, kd, w, aqk, gl, do, dht)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+
+class TestHopperBf16W:
+    """The serial state passes with W in bf16 (ops.KernelOptions.hopper_bf16_w, on by default)."""
+
+    def test_same_outputs_as_fp32_w(self):
+        _check_bf16_w(True)
+
+    def test_no_smem_races(self):
+        # W joins the two-deep loads (its operand buffer double now, no fp32 buffer refilled
+        # after the fence); four chunks so that both buffers are reused.
+        kd, w, u, gl, h0 = _inputs(1, 1, 256, 128, 64)
+        aqk = jnp.tril(jnp.ones((1, 1, 4, 64, 64))).reshape(1, 1, 256, 64).astype(jnp.bfloat16)
+        assert _no_races(lambda *a, interpret: hopper.state_output_fwd(*a, interpret=interpret),
+                         (kd, w.astype(jnp.bfloat16), u, gl, h0, kd, aqk))
+        assert _no_races(hopper.state_fwd, (kd, w.astype(jnp.bfloat16), u, gl, h0))
+        qg, kd, w, aqk, gl, do, dht = _bwd_inputs(1, 1, 256, 128, 64)
+        assert _no_races(hopper.state_bwd, (qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht))
+
+    def test_lowers_for_cuda(self):
+        # SMEM at K = 128: state_output_fwd 209 KiB, state_bwd 201 KiB (under the 227 KiB limit).
+        sd = jax.ShapeDtypeStruct
+        B, H, T, K, V = 8, 16, 4096, 128, 128
+        bf, f32 = jnp.bfloat16, jnp.float32
+        args = (sd((B, H, T, K), bf), sd((B, H, T, K), bf), sd((B, H, T, V), f32), sd((B, H, T // 64, K), f32),
+                sd((B, H, V, K), f32), sd((B, H, T, K), bf), sd((B, H, T, 64), bf))
+        assert "mosaic_gpu" in jax.jit(hopper.state_output_fwd).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        args = (sd((B, H, T, K), bf), sd((B, H, T, K), bf), sd((B, H, T, K), bf), sd((B, H, T, 64), bf),
+                sd((B, H, T // 64, K), f32), sd((B, T, H, V), bf), sd((B, H, V, K), f32))
+        assert "mosaic_gpu" in jax.jit(hopper.state_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.gpu
 class TestHopperStateFwdGPU:
     """Compiled on the H200 against the compiled Triton kernel (bf16 operands), up to the benchmark's
@@ -400,3 +451,6 @@ class TestHopperStateFwdGPU:
 
     def test_bwd_per_segment(self):
         _check_bwd_matches_triton((2, 4, 1024, 128, 128), False, 2e-3, segments=4)
+
+    def test_bf16_w_same_outputs(self):
+        _check_bf16_w(False, (8, 16, 4096, 128, 128), (8, 16, 4096, 128, 128))

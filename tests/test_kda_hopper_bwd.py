@@ -55,6 +55,16 @@ def _check_matches_triton(shape, interpret, tol):
     return errs
 
 
+def _check_bf16_w(shape, interpret):
+    """intra_bwd_a with W in bf16 against W in fp32: every output bit-equal."""
+    args = list(_inputs(*shape))
+    run = jax.jit(lambda *a: hopper_bwd.intra_bwd_a(*a, scale=shape[3] ** -0.5, interpret=interpret))
+    ref = run(*args)
+    args[9] = args[9].astype(jnp.bfloat16)
+    for name, o, r in zip(NAMES, run(*args), ref):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+
 class TestHopperIntraBwd:
 
     @pytest.mark.parametrize("B, T, H, K, V", [(1, 128, 2, 128, 128), (2, 64, 1, 64, 128), (1, 128, 1, 128, 64)])
@@ -74,6 +84,15 @@ class TestHopperIntraBwd:
         # the states' memory) and the fences before each wgmma rest on review and the compiled
         # GPU tests.
         args = _inputs(1, 64, 1, K, K)
+        assert _no_races(lambda *a, interpret: hopper_bwd.intra_bwd_a(*a, scale=0.1, interpret=interpret), args)
+
+    def test_bf16_w(self):
+        # W given in bf16 (ops.KernelOptions.hopper_bf16_w) goes by TMA straight into its operand
+        # buffer: the same operand values as fp32 W rounded in the kernel, so the same outputs bit for
+        # bit; and no SMEM race with the new copy target.
+        _check_bf16_w((1, 64, 1, 128, 128), True)
+        args = list(_inputs(1, 64, 1, 128, 128))
+        args[9] = args[9].astype(jnp.bfloat16)
         assert _no_races(lambda *a, interpret: hopper_bwd.intra_bwd_a(*a, scale=0.1, interpret=interpret), args)
 
     def test_bad_input_raises(self):
@@ -183,3 +202,6 @@ class TestHopperIntraBwdGPU:
     def test_matches_triton_kernel_a(self, shape):
         errs = _check_matches_triton(shape, False, 1e-3)
         print(shape, {k: f"{v:.2g}" for k, v in errs.items()})
+
+    def test_bf16_w(self):
+        _check_bf16_w((8, 4096, 16, 128, 128), False)

@@ -158,6 +158,53 @@ class TestHopperFusedWU:
         assert_rms_close("hopper_fused_wu forward-only o", o2, o1, 1e-3)
 
 
+class TestHopperBf16W:
+    """ops.KernelOptions.hopper_bf16_w (on by default since round 20): the fused forward kernel writes
+    W in bf16 and its consumers (the Hopper state passes and backward kernel a) take it as it is."""
+
+    def test_kernel_writes_rounded_w(self):
+        args = _inputs(1, 64, 1, 64, V=64)
+        ref = hopper_fwd.intra_fwd(*args, scale=0.125, interpret=True)
+        out = hopper_fwd.intra_fwd(*args, scale=0.125, bf16_w=True, interpret=True)
+        assert out[2].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(ref[2].astype(jnp.bfloat16)))
+        for o, r in zip(out[:2] + out[3:], ref[:2] + ref[3:]):
+            np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
+
+    def test_op_matches_option_off(self, monkeypatch):
+        # Every consumer of W in the default op (the fused state / output pass, the backward state
+        # pass, backward kernel a) receives it in bf16, and since each rounded fp32 W to bf16
+        # before, o, ht and every gradient are bit-identical (interpret mode).
+        from pallas_kernels.kda import hopper, hopper_bwd
+        seen = []
+        for mod, name, i in ((hopper, "state_output_fwd", 1), (hopper, "state_bwd", 2), (hopper_bwd, "intra_bwd_a", 9)):
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, _i=i, **kw: seen.append((_n, a[_i].dtype))
+                                or _r(*a, **kw))
+        x, _, do, dht = option_ab_inputs(80, "bfloat16", segments=False, lower_bound=-5.0, V=64, K=64, T=192)
+        on = ops.KernelOptions()
+        assert on.hopper_bf16_w                                # the default since round 20
+        off = dataclasses.replace(on, hopper_bf16_w=False)
+        o, ht, grads = pallas_outputs(x, do, dht, on)
+        assert seen == [("state_output_fwd", jnp.bfloat16), ("state_bwd", jnp.bfloat16),
+                        ("intra_bwd_a", jnp.bfloat16)]
+        o0, ht0, g0 = pallas_outputs(x, do, dht, off)
+        assert [dt for _, dt in seen[3:]] == [jnp.float32] * 3
+        np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
+        np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
+        for name in GRAD_NAMES:
+            np.testing.assert_array_equal(np.asarray(g0[name], np.float32), np.asarray(grads[name], np.float32),
+                                          err_msg=name)
+        # Without the fused output pass hopper.state_fwd takes the bf16 W, without the Hopper state
+        # passes the Triton one (it rounds W to bf16 for its bf16-operand dot anyway): the same o.
+        for other in (dict(hopper_fused_output=False), dict(hopper_state_fwd=False)):
+            o1, o2 = (jax.jit(lambda *a, opts=opts: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True,
+                                                                   options=opts))(
+                x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
+                for opts in (dataclasses.replace(on, **other), dataclasses.replace(off, **other)))
+            np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+
+
 class TestHopperIntraFwdOption:
     """ops.KernelOptions.hopper_intra_fwd (on by default): where it applies the op's forward runs
     hopper_fwd.intra_fwd_a (Mosaic GPU interpret mode under interpret=True) and the Triton kernel b;

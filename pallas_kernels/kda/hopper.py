@@ -164,8 +164,9 @@ def _check_forward_args(kd, w, u, gl, h0):
         raise ValueError(f"V = {V} must be a multiple of {BLOCK_V}")
     if kd.dtype != BF16:
         raise ValueError(f"kd must be bf16 (a wgmma operand); got {kd.dtype}")
-    if not all(x.dtype == F32 for x in (w, u, gl, h0)):
-        raise ValueError(f"w, u, gl and h0 must be fp32; got {w.dtype}, {u.dtype}, {gl.dtype}, {h0.dtype}")
+    if not all(x.dtype == F32 for x in (u, gl, h0)) or w.dtype not in (F32, BF16):
+        raise ValueError(f"u, gl and h0 must be fp32 and w fp32 or bf16; got {u.dtype}, {gl.dtype}, {h0.dtype}, "
+                         f"w {w.dtype}")
     NT = T // CHUNK
     per_segment = h0.ndim == 5
     NS = h0.shape[2] if per_segment else 1
@@ -185,7 +186,8 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
     Args:
       kd: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G}).
       w: [B, H, T, K] fp32 (intra_fwd's W; rounded to bf16 in the kernel as the bf16-operand dot of
-        fwd.state_fwd_vp does).
+        fwd.state_fwd_vp does), or bf16 (then copied straight into a double-buffered operand; the
+        fused forward kernel's with ops.KernelOptions.hopper_bf16_w).
       u: [B, H, T, V] fp32 (U).
       gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay in (0, 1], not a log).
       h0: [B, H, V, K] fp32 initial state, TRANSPOSED (as fwd.state_fwd_vp), or [B, H, NS, V, K]: the
@@ -195,11 +197,13 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
     Returns: vp = V' [B, H, T, V] fp32; h [B, H, T / 64, V, K] bf16 (the transposed state entering each
       chunk); ht fp32 of h0's shape (the state after the last chunk of the sequence / each segment).
     Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, kd not
-      bf16, w / u / gl / h0 not fp32, NS not dividing T / 64, or shapes that do not match.
+      bf16, u / gl / h0 not fp32, w neither fp32 nor bf16, NS not dividing T / 64, or shapes that do
+      not match.
     """
     B, H, T, K, V, NT, per_segment, NS = _check_forward_args(kd, w, u, gl, h0)
     C, BV, L = CHUNK, BLOCK_V, NT // NS
     BH = B * H
+    w_bf16 = w.dtype == BF16
 
     def body(kd_ref, w_ref, u_ref, gl_ref, h0_ref, vp_ref, h_ref, ht_ref,
              kd_s, w32_s, u_s, gl_s, w_s, st_b, vn_s, vp_s, st_s, bar_in, bar_h0):
@@ -210,7 +214,9 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
         def load(j, slot):                                # chunk j of this segment into buffer `slot`
             c = sg * L + j
             tok = pl.ds(c * C, C)
-            for src, dst in ((kd_ref.at[bh, tok], kd_s.at[slot]), (w_ref.at[bh, tok], w32_s.at[slot]),
+            # W: fp32 into its staging buffer (rounded below), or bf16 straight into its operand
+            w_dst = w_s.at[slot] if w_bf16 else w32_s.at[slot]
+            for src, dst in ((kd_ref.at[bh, tok], kd_s.at[slot]), (w_ref.at[bh, tok], w_dst),
                              (u_ref.at[bh, tok, vrows], u_s.at[slot]), (gl_ref.at[bh, c], gl_s.at[slot])):
                 plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
 
@@ -230,13 +236,15 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
                 load(j + 1, 1 - slot)
 
             plgpu.barrier_wait(bar_in.at[slot])
-            w_s[...] = plgpu.load(w32_s.at[slot], (), layout=plgpu.Layout.WGMMA).astype(BF16)
+            if not w_bf16:
+                w_s[...] = plgpu.load(w32_s.at[slot], (), layout=plgpu.Layout.WGMMA).astype(BF16)
+            w_op = w_s.at[slot] if w_bf16 else w_s
             st_b[...] = St.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(st_b, h_ref.at[bh, c, vrows])
 
             def recall(acc):                                   # W [C, K] @ S [K, BV]
-                plgpu.wgmma(acc, w_s, st_b.T)
+                plgpu.wgmma(acc, w_op, st_b.T)
                 return acc[...]
             vn = (plgpu.load(u_s.at[slot], (), layout=plgpu.Layout.WGMMA)
                   - pl.run_scoped(recall, plgpu.ACC((C, BV), F32)))
@@ -260,8 +268,9 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
         body,
         out_type=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
                   jax.ShapeDtypeStruct((BH, NS, V, K), F32)),
-        scratch_types=[_operand((2, C, K)), plgpu.SMEM((2, C, K), F32), plgpu.SMEM((2, C, BV), F32),
-                       plgpu.SMEM((2, K), F32), _operand((C, K)), _operand((BV, K)), _operand((C, BV)),
+        scratch_types=[_operand((2, C, K)), plgpu.SMEM((2, 8, 32) if w_bf16 else (2, C, K), F32),   # (bf16 W: unused)
+                       plgpu.SMEM((2, C, BV), F32), plgpu.SMEM((2, K), F32),
+                       _operand((2, C, K) if w_bf16 else (C, K)), _operand((BV, K)), _operand((C, BV)),
                        plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
                        plgpu.Barrier(num_arrivals=4, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
@@ -279,7 +288,9 @@ def _begin_chunk(j, L, slot, state, state_b, *, load, load_w, bar_in, bar_w, w32
     stores have read the SMEM they store from, round W into its bf16 operand buffer, read e^{G_last},
     store the carried (transposed) state as the bf16 operand `state_b`, fence (which also orders the
     reads of W's buffer and e^{G_last} before the loads that overwrite them), then refill W's buffer
-    with the next chunk's. Returns the decay [K] in the WGMMA column layout.
+    with the next chunk's. Returns the decay [K] in the WGMMA column layout. load_w None: W is bf16
+    and arrives with the chunk's other loads, straight into a double-buffered operand (no rounding
+    step, no W barrier).
 
     Order: the next chunk's loads are issued only after the wait for step j - 1's stores, whose
     lowering ends in a warpgroup barrier: a warp's wgmma wait covers only its own part of the
@@ -293,15 +304,17 @@ def _begin_chunk(j, L, slot, state, state_b, *, load, load_w, bar_in, bar_w, w32
         load(j + 1, 1 - slot)
 
     plgpu.barrier_wait(bar_in.at[slot])
-    plgpu.barrier_wait(bar_w.at[0])
-    w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
+    if load_w is not None:
+        plgpu.barrier_wait(bar_w.at[0])
+        w_s[...] = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA).astype(BF16)
     decay = plgpu.load(gl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     state_b[...] = state.astype(BF16)
     plgpu.commit_smem()
 
-    @pl.when(j + 1 < L)
-    def _():
-        load_w(j + 1)
+    if load_w is not None:
+        @pl.when(j + 1 < L)
+        def _():
+            load_w(j + 1)
     return decay
 
 
@@ -316,12 +329,15 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
     Args: kd, w, u, gl, h0 as state_fwd; qg [B, H, T, K] bf16 (intra_fwd's Qg = scale q e^{G});
       aqk [B, H, T, 64] bf16 (lower-triangular per chunk); out_dtype: o's dtype (bf16);
       write_states: also write h; interpret: as state_fwd.
+    w may also be bf16 (see SMEM below).
     Returns: o [B, T, H, V] out_dtype (the user's token-major layout); h [B, H, T / 64, V, K] bf16 or
       None (write_states=False); ht as state_fwd.
     Raises: ValueError as state_fwd, for qg / aqk not bf16 of shapes [B, H, T, K] / [B, H, T, 64], and
       for out_dtype not bf16.
     SMEM: W's fp32 buffer is single (refilled after the fence that follows its rounding, as state_bwd)
-    and also stages h0 and ht: 193 KiB at K = 128.
+    and also stages h0 and ht: 193 KiB at K = 128. With w bf16 (the fused forward kernel's, ops.
+    KernelOptions.hopper_bf16_w) W is TMA-copied with the chunk's other inputs straight into a
+    double-buffered operand (no rounding step in the serial loop): 209 KiB.
     """
     B, H, T, K, V, NT, per_segment, NS = _check_forward_args(kd, w, u, gl, h0)
     if jnp.dtype(out_dtype) != jnp.dtype(BF16):
@@ -331,6 +347,7 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
                          f"qg {qg.dtype} {qg.shape}, aqk {aqk.dtype} {aqk.shape}")
     C, BV, L = CHUNK, BLOCK_V, NT // NS
     BH = B * H
+    w_bf16 = w.dtype == BF16
 
     def body(kd_ref, w_ref, u_ref, gl_ref, qg_ref, aqk_ref, h0_ref, o_ref, *rest):
         if write_states:
@@ -345,9 +362,12 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
         def load(j, slot):                                # chunk j of this segment into buffer `slot`
             c = sg * L + j
             tok = pl.ds(c * C, C)
-            for src, dst in ((kd_ref.at[bh, tok], kd_s.at[slot]), (u_ref.at[bh, tok, vrows], u_s.at[slot]),
-                             (gl_ref.at[bh, c], gl_s.at[slot]), (qg_ref.at[bh, tok], qg_s.at[slot]),
-                             (aqk_ref.at[bh, tok], aqk_s.at[slot])):
+            copies = [(kd_ref.at[bh, tok], kd_s.at[slot]), (u_ref.at[bh, tok, vrows], u_s.at[slot]),
+                      (gl_ref.at[bh, c], gl_s.at[slot]), (qg_ref.at[bh, tok], qg_s.at[slot]),
+                      (aqk_ref.at[bh, tok], aqk_s.at[slot])]
+            if w_bf16:                                    # W straight into its (double) operand buffer
+                copies.append((w_ref.at[bh, tok], w_s.at[slot]))
+            for src, dst in copies:
                 plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
 
         def load_w(j):
@@ -357,21 +377,23 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
         plgpu.copy_gmem_to_smem(h0_ref.at[bh, sg, vrows], w32_s, bar_h0.at[0])   # h0 staged in W's buffer
         plgpu.barrier_wait(bar_h0.at[0])
         St0 = plgpu.load(w32_s, (), layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()                                # the read above before W's load overwrites it
-        load_w(0)
+        if not w_bf16:
+            plgpu.commit_smem()                            # the read above before W's load overwrites it
+            load_w(0)
 
         def step(j, St):
             slot = lax.rem(j, 2)
             c = sg * L + j
             rows = pl.ds(c * C, C)
 
-            decay = _begin_chunk(j, L, slot, St, st_b, load=load, load_w=load_w, bar_in=bar_in,
-                                 bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
+            decay = _begin_chunk(j, L, slot, St, st_b, load=load, load_w=None if w_bf16 else load_w,
+                                 bar_in=bar_in, bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
             if write_states:
                 plgpu.copy_smem_to_gmem(st_b, h_ref.at[bh, c, vrows])
+            w_op = w_s.at[slot] if w_bf16 else w_s
 
             def recall(acc):                                   # W [C, K] @ S [K, BV]
-                plgpu.wgmma(acc, w_s, st_b.T)
+                plgpu.wgmma(acc, w_op, st_b.T)
                 return acc[...]
             vn = (plgpu.load(u_s.at[slot], (), layout=plgpu.Layout.WGMMA)
                   - pl.run_scoped(recall, plgpu.ACC((C, BV), F32)))
@@ -390,7 +412,8 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
             return St * decay[None, :] + upd
 
         St = lax.fori_loop(0, L, step, St0)
-        # W's buffer: its last TMA load was waited on, its reads fenced
+        # W's fp32 buffer (with bf16 W only h0's and ht's): its last TMA load was waited on, its
+        # reads fenced
         _store_final(St, w32_s, ht_ref.at[bh, sg, vrows])
 
     out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype)]
@@ -402,10 +425,11 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
         scratch_types=[_operand((2, C, K)), plgpu.SMEM((2, C, BV), F32), plgpu.SMEM((2, K), F32),
-                       _operand((2, C, K)), _operand((2, C, C)), plgpu.SMEM((C, K), F32), _operand((C, K)),
+                       _operand((2, C, K)), _operand((2, C, C)), plgpu.SMEM((C, K), F32),
+                       _operand((2, C, K) if w_bf16 else (C, K)),
                        _operand((BV, K)), _operand((C, BV)), out_operand,
-                       plgpu.Barrier(num_arrivals=5, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+                       plgpu.Barrier(num_arrivals=6 if w_bf16 else 5, num_barriers=2),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     h0s = h0 if per_segment else h0[:, :, None]
@@ -420,7 +444,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
 
     Args:
       qg, kd: [B, H, T, K] bf16 (intra_fwd's Qg, Kd).
-      w: [B, H, T, K] fp32 (W; rounded to bf16 in the kernel, as bwd.state_bwd's bf16-operand dot).
+      w: [B, H, T, K] fp32 (W; rounded to bf16 in the kernel, as bwd.state_bwd's bf16-operand dot),
+        or bf16 (copied with the chunk's other inputs straight into a double-buffered operand).
       aqk: [B, H, T, 64] bf16 (intra_fwd's Aqk, lower-triangular per chunk).
       gl: [B, H, T / 64, K] fp32, e^{G_last} of each chunk (a decay, not a log).
       do: [B, T, H, V] bf16, the output gradient (token-major, the user's layout).
@@ -430,7 +455,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
     Returns: du = dV' [B, H, T, V] fp32; dh [B, H, T / 64, V, K] bf16 (the transposed gradient of the
       state after each chunk); dh0 fp32 of dht's shape (at the start of the sequence / each segment).
     Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, qg / kd /
-      aqk / do not bf16, w / gl / dht not fp32, NS not dividing T / 64, or shapes that do not match.
+      aqk / do not bf16, gl / dht not fp32, w neither, NS not dividing T / 64, or shapes that do not
+      match.
     """
     B, H, T, K = qg.shape
     V = do.shape[-1]
@@ -443,8 +469,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
     if not all(x.dtype == BF16 for x in (qg, kd, aqk, do)):
         raise ValueError(f"qg, kd, aqk and do must be bf16 (wgmma operands); got {qg.dtype}, {kd.dtype}, "
                          f"{aqk.dtype}, {do.dtype}")
-    if not all(x.dtype == F32 for x in (w, gl, dht)):
-        raise ValueError(f"w, gl and dht must be fp32; got {w.dtype}, {gl.dtype}, {dht.dtype}")
+    if not all(x.dtype == F32 for x in (gl, dht)) or w.dtype not in (F32, BF16):
+        raise ValueError(f"gl and dht must be fp32 and w fp32 or bf16; got {gl.dtype}, {dht.dtype}, w {w.dtype}")
     NT = T // CHUNK
     per_segment = dht.ndim == 5
     NS = dht.shape[2] if per_segment else 1
@@ -459,6 +485,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
         raise ValueError(f"dht's segment count NS = {NS} must divide the chunk count T / 64 = {NT}")
     C, BV, L = CHUNK, BLOCK_V, NT // NS
     BH = B * H
+    w_bf16 = w.dtype == BF16
 
     def body(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref, du_ref, dh_ref, dh0_ref,
              qg_s, kd_s, aqk_s, do_s, gl_s, w32_s, w_s, ds_b, dvn_s, dv_s, st_s, bar_in, bar_w, bar_h):
@@ -473,24 +500,29 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
         def load(j, slot):
             c = chunk(j)
             tok = pl.ds(c * C, C)
-            for src, dst in ((qg_ref.at[bh, tok], qg_s.at[slot]), (kd_ref.at[bh, tok], kd_s.at[slot]),
-                             (aqk_ref.at[bh, tok], aqk_s.at[slot]), (do_ref.at[b, tok, hh, vcols], do_s.at[slot]),
-                             (gl_ref.at[bh, c], gl_s.at[slot])):
+            copies = [(qg_ref.at[bh, tok], qg_s.at[slot]), (kd_ref.at[bh, tok], kd_s.at[slot]),
+                      (aqk_ref.at[bh, tok], aqk_s.at[slot]), (do_ref.at[b, tok, hh, vcols], do_s.at[slot]),
+                      (gl_ref.at[bh, c], gl_s.at[slot])]
+            if w_bf16:                                    # W straight into its (double) operand buffer
+                copies.append((w_ref.at[bh, tok], w_s.at[slot]))
+            for src, dst in copies:
                 plgpu.copy_gmem_to_smem(src, dst, bar_in.at[slot])
 
         def load_w(j):
             plgpu.copy_gmem_to_smem(w_ref.at[bh, pl.ds(chunk(j) * C, C)], w32_s, bar_w.at[0])
 
         load(0, 0)
-        load_w(0)
+        if not w_bf16:
+            load_w(0)
         plgpu.barrier_wait(bar_h.at[0])
 
         def step(j, dSt):
             slot = lax.rem(j, 2)
             c = chunk(j)
 
-            decay = _begin_chunk(j, L, slot, dSt, ds_b, load=load, load_w=load_w, bar_in=bar_in,
-                                 bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
+            decay = _begin_chunk(j, L, slot, dSt, ds_b, load=load, load_w=None if w_bf16 else load_w,
+                                 bar_in=bar_in, bar_w=bar_w, w32_s=w32_s, w_s=w_s, gl_s=gl_s)
+            w_op = w_s.at[slot] if w_bf16 else w_s
             plgpu.copy_smem_to_gmem(ds_b, dh_ref.at[bh, c, vcols])
 
             def dvp_dot(acc):                     # Aqk^T dO + Kd dS: [C, C] [C, BV] + [C, K] [K, BV]
@@ -505,7 +537,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
 
             def ds_dot(acc):                      # dO^T Qg - dV'^T W: [BV, C] [C, K] twice
                 plgpu.wgmma(acc, do_s.at[slot].T, qg_s.at[slot])
-                plgpu.wgmma(acc, dvn_s.T, w_s)
+                plgpu.wgmma(acc, dvn_s.T, w_op)
                 return acc[...]
             return dSt * decay[None, :] + pl.run_scoped(ds_dot, plgpu.ACC((BV, K), F32))
 
@@ -517,10 +549,11 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
         out_type=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
                   jax.ShapeDtypeStruct((BH, NS, V, K), F32)),
         scratch_types=[_operand((2, C, K)), _operand((2, C, K)), _operand((2, C, C)), _operand((2, C, BV)),
-                       plgpu.SMEM((2, K), F32), plgpu.SMEM((C, K), F32), _operand((C, K)), _operand((BV, K)),
+                       plgpu.SMEM((2, K), F32), plgpu.SMEM((8, 32) if w_bf16 else (C, K), F32),   # placeholder for bf16 W
+                       _operand((2, C, K) if w_bf16 else (C, K)), _operand((BV, K)),
                        _operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
-                       plgpu.Barrier(num_arrivals=5, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+                       plgpu.Barrier(num_arrivals=6 if w_bf16 else 5, num_barriers=2),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     dhts = dht if per_segment else dht[:, :, None]

@@ -89,9 +89,9 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
     if not all(x.dtype == BF16 for x in (q, k, v, do, h, dh)):
         raise ValueError("q, k, v, do, h and dh must be bf16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}, {h.dtype}, {dh.dtype}")
-    if not all(x.dtype == F32 for x in (G, du, w, u, A, M)):
-        raise ValueError("G, du, w, u, A and M must be fp32; got "
-                         f"{G.dtype}, {du.dtype}, {w.dtype}, {u.dtype}, {A.dtype}, {M.dtype}")
+    if not all(x.dtype == F32 for x in (G, du, u, A, M)) or w.dtype not in (F32, BF16):
+        raise ValueError("G, du, u, A and M must be fp32 and w fp32 or bf16; got "
+                         f"{G.dtype}, {du.dtype}, {u.dtype}, {A.dtype}, {M.dtype}, w {w.dtype}")
     if not jnp.issubdtype(beta.dtype, jnp.floating):
         raise ValueError(f"beta must be a float array; got {beta.dtype}")
     NT, C = T // CHUNK, CHUNK
@@ -113,8 +113,9 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         dtype (read as fp32); do: [B, T, H, V] bf16 (all token-major, the user's layout).
       du: [B, H, T, V] fp32, dV' from the reverse state pass; h, dh: [B, H, T / 64, V, K] bf16, the
         transposed state entering each chunk and the transposed gradient of the state after it.
-      w: [B, H, T, K], u: [B, H, T, V] fp32 (the forward's W, U); A, M: [B, H, T, 64] fp32 (the
-        forward's (I + L)^-1 and beta-free score tile, per chunk).
+      w: [B, H, T, K] fp32, or bf16 (then copied straight into its bf16 operand buffer: the same
+        values, as the kernel rounds an fp32 w to bf16), u: [B, H, T, V] fp32 (the forward's W, U);
+        A, M: [B, H, T, 64] fp32 (the forward's (I + L)^-1 and beta-free score tile, per chunk).
       scale: the query scale; interpret: as hopper.state_fwd.
     Returns (as bwd.intra_bwd_a with gate_cumsum=True): dv [B, T, H, V] bf16 and dbeta [B, T, H]
       fp32 (final, token-major); head-major fp32 partial dq, dk, dG [B, H, T, K], dG_last
@@ -131,6 +132,7 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
     if not ablate <= set(ABLATIONS):
         raise ValueError(f"_ablate={_ablate} must name some of {ABLATIONS}")
     C, KH, BH = CHUNK, K // HALF, B * H
+    w_bf16 = w.dtype == BF16
 
     def body(q_ref, k_ref, v_ref, G_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref, w_ref, u_ref, A_ref,
              M_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dg_ref, dgl_ref, dm_ref, daqk_ref,
@@ -156,14 +158,15 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             plgpu.copy_gmem_to_smem(h_ref.at[bh, c, :, halves[kh]], h_s.at[kh], bars[0])
             plgpu.copy_gmem_to_smem(dh_ref.at[bh, c, :, halves[kh]], dh_s.at[kh], bars[0])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hh], do_s, bars[0])
-        fetch(1, [(w_ref.at[bh, rows, halves[kh]], w_in.at[kh]) for kh in range(KH)]
+        fetch(1, [(w_ref.at[bh, rows, halves[kh]], w_s.at[kh] if w_bf16 else w_in.at[kh]) for kh in range(KH)]
               + [(u_ref.at[bh, rows], u_in)])
         # beta: one 256-byte read straight from HBM
         beta_c = _load(beta_ref.at[bh, rows], _ROW)[:, None]
         arrived(1)
-        for kh in range(KH):
-            w_s.at[kh][...] = _load(w_in.at[kh]).astype(BF16)
-        plgpu.commit_smem()
+        if not w_bf16:                                    # fp32 W rounded into its operand buffer
+            for kh in range(KH):
+                w_s.at[kh][...] = _load(w_in.at[kh]).astype(BF16)
+            plgpu.commit_smem()
         arrived(0)
 
         def vp_dot(acc):                                  # W S = sum over halves W_h (St_h)^T

@@ -85,7 +85,7 @@ def intra_fwd_a(q, k, G, beta, *, scale: float, save_solve: bool = False,
     return _intra(q, k, None, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
 
 
-def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False,
+def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False, bf16_w: bool = False,
               interpret: bool | plgpu.InterpretGPUParams = False):
     """Both intra-chunk forward kernels in one (intra_fwd_a and the Triton kernel b, fwd.intra_fwd_b,
     fla's recompute_w_u): intra_fwd_a's kernel, then with (I + beta M)^-1 still in registers
@@ -95,9 +95,10 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False,
     to the memory of the column operand after the scores, v arrives by TMA during the solve into
     the row operands' memory: SMEM as intra_fwd_a (98 KiB at K = V = 128).
 
-    Args: v [B, T, H, V] bf16 (V in HEAD_DIMS); the rest as intra_fwd_a.
+    Args: v [B, T, H, V] bf16 (V in HEAD_DIMS); bf16_w: write W in bf16 (the rounding every
+      bf16-operand consumer of W applies; ops.KernelOptions.hopper_bf16_w); the rest as intra_fwd_a.
     Returns (as fwd.intra_fwd_split with bf16 inputs, bf16_dots and gate_cumsum): qg, kd [B, H, T, K]
-      bf16; w [B, H, T, K] fp32; u [B, H, T, V] fp32; aqk [B, H, T, 64] bf16; gl [B, H, T / 64, K] fp32;
+      bf16; w [B, H, T, K] fp32 (bf16 with bf16_w); u [B, H, T, V] fp32; aqk [B, H, T, 64] bf16; gl [B, H, T / 64, K] fp32;
       with save_solve also A, M [B, H, T, 64] fp32.
     Raises: ValueError as intra_fwd_a, and for v not bf16 [B, T, H, V] with V in HEAD_DIMS.
     Measured: round 18 of kda_pallas_notes.md (ops.KernelOptions.hopper_fused_wu, on by default).
@@ -107,10 +108,10 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, save_solve: bool = False,
     if v.ndim != 4 or v.shape[:3] != q.shape[:3] or v.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"v must be [B, T, H, V] with (B, T, H) = {q.shape[:3]} and V in {HEAD_DIMS}; "
                          f"got {v.shape}")
-    return _intra(q, k, v, G, beta, scale=scale, save_solve=save_solve, interpret=interpret)
+    return _intra(q, k, v, G, beta, scale=scale, save_solve=save_solve, interpret=interpret, bf16_w=bf16_w)
 
 
-def _intra(q, k, v, G, beta, *, scale, save_solve, interpret):
+def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, bf16_w=False):
     """intra_fwd_a (v None) or intra_fwd's kernel."""
     B, T, H, K = _check(q, k, G, beta)
     C, KH, BH, NT = CHUNK, K // HALF, B * H, T // CHUNK
@@ -238,11 +239,12 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret):
                     def wu_dot(acc, src=src, h=h):
                         plgpu.wgmma(acc, l_s, src.at[h])
                         return acc[...]
-                    dst.at[bh, rows, pl.ds(h * HALF, HALF)][...] = pl.run_scoped(wu_dot, plgpu.ACC((C, HALF), F32))
+                    dst.at[bh, rows, pl.ds(h * HALF, HALF)][...] = pl.run_scoped(
+                        wu_dot, plgpu.ACC((C, HALF), F32)).astype(dst.dtype)
 
     bf_k, f_k, f_c = (jax.ShapeDtypeStruct((BH, T, K), BF16), jax.ShapeDtypeStruct((BH, T, K), F32),
                       jax.ShapeDtypeStruct((BH, T, C), F32))
-    out_type = [bf_k, bf_k] + ([f_k, jax.ShapeDtypeStruct((BH, T, V), F32)] if wu else [])
+    out_type = [bf_k, bf_k] + ([bf_k if bf16_w else f_k, jax.ShapeDtypeStruct((BH, T, V), F32)] if wu else [])
     out_type += [jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32)]
     out_type += ([f_c] if not wu or save_solve else []) + ([f_c] if save_solve else [])
     # SMEM (K = V = 128), 98 KiB so that two CTAs share an SM (v1, 160 KiB, one CTA: 1.5x slower than

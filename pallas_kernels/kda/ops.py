@@ -148,7 +148,8 @@ class KernelOptions:
     within fla's tolerances), pallas_cumsum (round 5), bf16_state_bwd_dots (round 6) and the three
     Hopper passes (hopper_state_fwd, hopper_fused_output, hopper_state_bwd: rounds 8, 11, 9),
     the Hopper kernel a of the intra backward (hopper_intra_bwd, round 13), of the intra
-    forward (hopper_intra_fwd, round 17) and its fused W / U (hopper_fused_wu, round 18) on,
+    forward (hopper_intra_fwd, round 17), its fused W / U (hopper_fused_wu, round 18) and bf16 W
+    (hopper_bf16_w, round 20) on,
     tile_state_bwd off.
     ROUND2_OPTIONS (all off) are the round-2 kernels, kept for A/B runs and tests.
 
@@ -253,6 +254,15 @@ class KernelOptions:
       Measured on the H200 (one process, 2026-12-01 21:53 UTC): op 1.78 -> 1.51 ms forward and
       6.61 -> 6.33 ms forward+backward at 8x4096x16x128; errors vs the fp32 recurrence identical
       to 3 digits.
+    hopper_bf16_w (round 20 of kda_pallas_notes.md; default since 2026-12-01): where
+      hopper_fused_wu runs, W is written in bf16 (the rounding its bf16-operand consumers apply:
+      the Hopper state passes and backward kernel a then copy it by TMA straight into their wgmma
+      operand buffers, without the fp32 load / round / store step, which sits on the serial passes'
+      critical path; the Triton kernels that read W upcast it). Half W's bytes. Numerics: the same
+      where W is a bf16 operand (bit-identical outputs in the GPU tests); the sequence split's
+      transitions (exact dots) see the rounded W. Measured on the H200 (one process, 2026-12-01
+      22:34 UTC): op forward 4.26 -> 3.79 ms, forward+backward 14.60 -> 13.78 at 1x65536x16x128;
+      6.28 -> 6.19 forward+backward at 8x4096x16x128.
     """
 
     split_intra_bwd: bool = True
@@ -272,6 +282,7 @@ class KernelOptions:
     hopper_score_bwd: bool = False
     hopper_intra_fwd: bool = True
     hopper_fused_wu: bool = True
+    hopper_bf16_w: bool = True
 
 
 # The round-2 kernels: fused intra_fwd / intra_bwd, the state pass writing o, TF32 fp32-operand dots,
@@ -281,7 +292,8 @@ ROUND2_OPTIONS = KernelOptions(split_intra_bwd=False, parallel_output=False, bf1
                                compact_offdiag_bwd=False, tile_state_bwd=False, pallas_cumsum=False,
                                bf16_state_bwd_dots=False, hopper_state_fwd=False, hopper_state_bwd=False,
                                hopper_fused_output=False, hopper_intra_bwd=False,
-                               hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False)
+                               hopper_score_bwd=False, hopper_intra_fwd=False, hopper_fused_wu=False,
+                               hopper_bf16_w=False)
 
 
 # The base option set with the exact diagonal tiles for unbounded gates (lower_bound=None): they exist
@@ -294,7 +306,8 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   compact_offdiag_bwd=True, tile_state_bwd=False, pallas_cumsum=True,
                                   bf16_state_bwd_dots=True, hopper_state_fwd=True, hopper_state_bwd=True,
                                   hopper_fused_output=True, hopper_intra_bwd=True,
-                                  hopper_score_bwd=False, hopper_intra_fwd=True, hopper_fused_wu=True)
+                                  hopper_score_bwd=False, hopper_intra_fwd=True, hopper_fused_wu=True,
+                                  hopper_bf16_w=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
 # forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
@@ -303,7 +316,7 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
 BOUND_FREE_FIELDS = ("tile_state_bwd", "pallas_cumsum", "bf16_state_bwd_dots", "hopper_state_fwd",
                      "hopper_state_bwd", "hopper_fused_output", "hopper_intra_bwd", "hopper_score_bwd",
-                     "hopper_intra_fwd", "hopper_fused_wu")
+                     "hopper_intra_fwd", "hopper_fused_wu", "hopper_bf16_w")
 UNBOUNDED_OPTION_SETS = tuple(dataclasses.replace(UNBOUNDED_OPTIONS, **dict(zip(BOUND_FREE_FIELDS, values)))
                               for values in itertools.product((False, True), repeat=len(BOUND_FREE_FIELDS)))
 
@@ -408,10 +421,11 @@ def _state_pass(fac, h0, *, chunk_size, block_v, seg_chunks, out_dtype, interpre
 
 def _hopper_applies(K, V, kd_dtype, w_dtype, block_v, bf16_dots, state_dtype, interpret) -> bool:
     """The conditions shared by both Hopper state passes (KernelOptions.hopper_state_fwd / _bwd), on
-    the padded head dims K, V and the dtypes of the saved factors Kd, W and states."""
+    the padded head dims K, V and the dtypes of the saved factors Kd, W (fp32, or bf16 with
+    hopper_bf16_w) and states."""
     return (bf16_dots and K in hopper.HEAD_DIMS and block_v == hopper.BLOCK_V
             and V % hopper.BLOCK_V == 0 and jnp.dtype(kd_dtype) == jnp.dtype(jnp.bfloat16)
-            and jnp.dtype(w_dtype) == jnp.dtype(jnp.float32)
+            and jnp.dtype(w_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
             and jnp.dtype(state_dtype) == jnp.dtype(jnp.bfloat16)
             and (bool(interpret) or hopper.is_hopper()))
 
@@ -466,7 +480,7 @@ def use_hopper_intra_bwd(q, v, do, h, du, w, u, rel, interpret, options) -> bool
     return (options.hopper_intra_bwd and not options.tile_state_bwd and _hopper_split_bwd(q, interpret, options)
             and rel is None and v.shape[-1] in hopper.HEAD_DIMS
             and all(jnp.dtype(x.dtype) == bf16 for x in (v, do, h))
-            and all(jnp.dtype(x.dtype) == f32 for x in (du, w, u)))
+            and all(jnp.dtype(x.dtype) == f32 for x in (du, u)) and jnp.dtype(w.dtype) in (f32, bf16))
 
 
 def use_hopper_score_bwd(q, unbounded, interpret, options) -> bool:
@@ -497,7 +511,8 @@ def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, 
                              gate_cumsum=options.xla_gate_cumsum, segments=rel,
                              split=options.split_intra_fwd, unbounded=unbounded)
     if options.hopper_fused_wu and v.shape[-1] in hopper.HEAD_DIMS:
-        return hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve, interpret=interpret)
+        return hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve,
+                                    bf16_w=options.hopper_bf16_w, interpret=interpret)
     qg, kd, aqk, gl, A, *M = hopper_fwd.intra_fwd_a(q, k, g, beta, scale=scale, save_solve=save_solve,
                                                     interpret=interpret)
     w, u = fwd.intra_fwd_b(k, v, g, beta, A, chunk_size=chunk_size, interpret=interpret, factor_dtype=fd,
