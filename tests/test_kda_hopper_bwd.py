@@ -117,10 +117,14 @@ class TestHopperIntraBwd:
 
     @pytest.mark.parametrize("K, V", [(128, 128), (64, 64)])
     def test_lowers_for_cuda(self, K, V):
-        # The Mosaic GPU lowering (wgmma operand layouts, the 227 KiB SMEM limit) runs on CPU.
+        # The Mosaic GPU lowering (wgmma operand layouts, the 227 KiB SMEM limit) runs on CPU; W fp32
+        # and bf16 (ops.KernelOptions.hopper_bf16_w).
         f = jax.jit(lambda *a: hopper_bwd.intra_bwd_a(*a, scale=0.1))
-        text = f.trace(*_inputs(1, 128, 2, K, V)).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 1
+        args = list(_inputs(1, 128, 2, K, V))
+        for w_dtype in (jnp.float32, jnp.bfloat16):
+            args[9] = args[9].astype(w_dtype)
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") == 1
 
 
 class TestHopperIntraBwdOption:

@@ -120,8 +120,8 @@ class TestHopperFusedWU:
 
     @pytest.mark.parametrize("K, V", [(128, 128), (64, 128), (128, 64)])
     def test_lowers_for_cuda(self, K, V):
-        for save_solve in (False, True):
-            f = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve))
+        for save_solve, bf16_w in ((False, True), (True, True), (True, False)):
+            f = jax.jit(lambda *a: hopper_fwd.intra_fwd(*a, scale=0.1, save_solve=save_solve, bf16_w=bf16_w))
             text = f.trace(*_inputs(1, 128, 2, K, V=V)).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -197,12 +197,36 @@ class TestHopperBf16W:
                                           err_msg=name)
         # Without the fused output pass hopper.state_fwd takes the bf16 W, without the Hopper state
         # passes the Triton one (it rounds W to bf16 for its bf16-operand dot anyway): the same o.
-        for other in (dict(hopper_fused_output=False), dict(hopper_state_fwd=False)):
+        real = hopper.state_fwd
+        monkeypatch.setattr(hopper, "state_fwd", lambda *a, **kw: seen.append(("state_fwd", a[1].dtype)) or real(*a, **kw))
+        for other, expect in ((dict(hopper_fused_output=False), [("state_fwd", jnp.bfloat16), ("state_fwd", jnp.float32)]),
+                              (dict(hopper_state_fwd=False), [])):
+            del seen[:]
             o1, o2 = (jax.jit(lambda *a, opts=opts: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True,
                                                                    options=opts))(
                 x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
                 for opts in (dataclasses.replace(on, **other), dataclasses.replace(off, **other)))
+            assert seen == expect
             np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+        # bf16 W only with both bf16-operand state passes: with TF32 state dots W stays fp32
+        del seen[:]
+        jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=-5.0, interpret=True,
+                                          options=dataclasses.replace(on, bf16_state_bwd_dots=False))[0]).trace(
+            x["q"], x["k"], x["v"], x["g"], x["beta"])
+        assert seen == [("state_output_fwd", jnp.float32)]
+
+    def test_sequence_split_with_bf16_w(self):
+        # The split's transitions (exact dots, Triton) read the bf16 W upcast: close to fp32 W
+        # (they see W rounded as the serial passes do), four chunks in two segments.
+        x, _, do, dht = option_ab_inputs(81, "bfloat16", segments=False, lower_bound=-5.0, V=64, K=64, T=256)
+        on = ops.KernelOptions()
+        off = dataclasses.replace(on, hopper_bf16_w=False)
+        o, ht, grads = pallas_outputs(x, do, dht, on, sequence_split=2)
+        o0, ht0, g0 = pallas_outputs(x, do, dht, off, sequence_split=2)
+        assert_rms_close("bf16 W split o", o0, o, 1e-2)
+        assert_rms_close("bf16 W split ht", ht0, ht, 1e-2)
+        for name in GRAD_NAMES:
+            assert_rms_close(f"bf16 W split {name}", g0[name], grads[name], 1e-2)
 
 
 class TestHopperIntraFwdOption:
@@ -257,29 +281,34 @@ class TestHopperIntraFwdOption:
             assert e_on <= 1.01 * e_off + 1e-6, (name, e_on, e_off)
 
     def test_not_used_where_it_does_not_apply(self, monkeypatch):
+        # (ON has hopper_fused_wu off; the default's fused kernel, hopper_fwd.intra_fwd, is counted too)
         from pallas_kernels.kda import hopper
         monkeypatch.setattr(hopper, "is_hopper", lambda device=None: False)       # any host, an H200 too
         calls = self._count_calls(monkeypatch)
+        real_fused = hopper_fwd.intra_fwd
+        monkeypatch.setattr(hopper_fwd, "intra_fwd", lambda *a, **kw: calls.append("fused") or real_fused(*a, **kw))
         sd = jax.ShapeDtypeStruct
 
-        def trace(K, dtype, interpret, lower_bound=-5.0, segments=False, **opts):
+        def trace(base, K, dtype, interpret, lower_bound=-5.0, segments=False, **opts):
             q, g, beta = sd((1, 128, 1, K), dtype), sd((1, 128, 1, K), jnp.float32), sd((1, 128, 1), dtype)
-            options = dataclasses.replace(self.ON, **opts)
+            options = dataclasses.replace(base, **opts)
             seg = jnp.zeros((1, 128), jnp.int32) if segments else None
             jax.jit(lambda *a: ops.kda_pallas(*a, lower_bound=lower_bound, interpret=interpret, options=options,
                                               segment_ids=seg)[0]).trace(q, q, q, g, beta)
-        for K, dtype, interpret, lb, segments, opts in [
-                (64, jnp.float32, True, -5.0, False, {}), (32, jnp.bfloat16, True, -5.0, False, {}),
-                (64, jnp.bfloat16, False, -5.0, False, {}), (64, jnp.bfloat16, True, None, False, {}),
-                (64, jnp.bfloat16, True, -5.0, True, {}),
-                (64, jnp.bfloat16, True, -5.0, False, dict(xla_gate_cumsum=False)),
-                (64, jnp.bfloat16, True, -5.0, False, dict(bf16_intra_dots=False)),
-                (64, jnp.bfloat16, True, -5.0, False, dict(split_intra_fwd=False)),
-                (64, jnp.bfloat16, True, -5.0, False, dict(hopper_intra_fwd=False))]:
-            trace(K, dtype, interpret, lb, segments, **opts)
-        assert calls == []
-        trace(64, jnp.bfloat16, True)
-        assert calls == [False]
+        for base, used in ((self.ON, [False]), (ops.KernelOptions(), ["fused"])):
+            del calls[:]
+            for K, dtype, interpret, lb, segments, opts in [
+                    (64, jnp.float32, True, -5.0, False, {}), (32, jnp.bfloat16, True, -5.0, False, {}),
+                    (64, jnp.bfloat16, False, -5.0, False, {}), (64, jnp.bfloat16, True, None, False, {}),
+                    (64, jnp.bfloat16, True, -5.0, True, {}),
+                    (64, jnp.bfloat16, True, -5.0, False, dict(xla_gate_cumsum=False)),
+                    (64, jnp.bfloat16, True, -5.0, False, dict(bf16_intra_dots=False)),
+                    (64, jnp.bfloat16, True, -5.0, False, dict(split_intra_fwd=False)),
+                    (64, jnp.bfloat16, True, -5.0, False, dict(hopper_intra_fwd=False))]:
+                trace(base, K, dtype, interpret, lb, segments, **opts)
+            assert calls == []
+            trace(base, 64, jnp.bfloat16, True)
+            assert calls == used
 
     def test_fused_wu_dispatch(self, monkeypatch):
         # hopper_fused_wu takes hopper_fwd.intra_fwd only where hopper_intra_fwd applies and V is in
@@ -303,6 +332,14 @@ class TestHopperIntraFwdOption:
         assert trace(64) == ["intra_fwd"]
         assert trace(32) == ["intra_fwd_a"]
         assert trace(64, hopper_intra_fwd=False) == []
+
+    def test_defaults_lower_for_cuda_on_hopper(self):
+        # The default options on a (faked) sm_90 GPU: the gradient lowers with four Mosaic GPU calls
+        # (the fused forward kernel with bf16 W, the fused state / output pass, the backward state
+        # pass, backward kernel a) and the Triton cumsums and backward kernel b.
+        text = lowered_grad_text(ops.KernelOptions(), hopper_passes=True)
+        assert text.count("custom_call @mosaic_gpu") == 4
+        assert text.count("__gpu$xla.gpu.triton") == 3
 
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU and the option on, the gradient lowers with the

@@ -8,7 +8,8 @@ registers:
 the two products as wgmma with bf16 operands in swizzled SMEM (W [64, K] x (S^T)^T, a transposed
 view of the S^T buffer; V'^T, a transposed view of the V' buffer, x Kd [64, K]) and fp32
 accumulators: the rounding of fwd.state_fwd_vp with common.BF16_OPERANDS (the op's default
-bf16_state_dots). W arrives in fp32 (the op's saved factor) and is rounded to bf16 in the kernel.
+bf16_state_dots). W arrives in fp32 and is rounded to bf16 in the kernel, or (the op's default,
+ops.KernelOptions.hopper_bf16_w) already in bf16, copied straight into a double-buffered operand.
 The next chunk's TMA loads (Kd, W, U, e^{G_last}) are issued before this chunk's dots (two buffers
 per input), so only the first chunk's load is exposed.
 
@@ -24,8 +25,9 @@ fp32 registers. Per chunk, last to first:
 four wgmma with bf16 operands (bwd.state_bwd with common.BF16_OPERANDS, the op's default
 bf16_state_bwd_dots), two into each accumulator (-dV' is stored negated, exact in bf16). dO is read
 token-major [B, T, H, V] as the op has it. The previous chunk's Qg, Kd, Aqk, dO, e^{G_last} are
-loaded two buffers deep; W (fp32, 32 KiB a chunk) has one buffer, refilled as soon as this chunk's
-W is rounded into the bf16 operand buffer.
+loaded two buffers deep; an fp32 W (32 KiB a chunk) has one buffer, refilled as soon as this chunk's
+W is rounded into the bf16 operand buffer; a bf16 W (hopper_bf16_w) is loaded two deep like the
+rest, straight into its operand buffers.
 
 Layouts: the same as fwd.state_fwd_vp (the transposed states [V, K] of the Triton kernels), so the
 op can call either: h [B, H, NT, V, K], h0 / ht [B, H, V, K] or per segment [B, H, NS, V, K].
@@ -282,8 +284,8 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
 
 
 def _begin_chunk(j, L, slot, state, state_b, *, load, load_w, bar_in, bar_w, w32_s, w_s, gl_s):
-    """The start of serial step j (of L) shared by state_output_fwd and state_bwd, whose W buffer is
-    single: issue the next chunk's loads into the other buffer `1 - slot` (its last reads, at step
+    """The start of serial step j (of L) shared by state_output_fwd and state_bwd, whose fp32 W buffer
+    is single: issue the next chunk's loads into the other buffer `1 - slot` (its last reads, at step
     j - 1, are fenced or waited on), wait for this chunk's loads and W, wait until step j - 1's
     stores have read the SMEM they store from, round W into its bf16 operand buffer, read e^{G_last},
     store the carried (transposed) state as the bf16 operand `state_b`, fence (which also orders the
@@ -455,8 +457,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
     Returns: du = dV' [B, H, T, V] fp32; dh [B, H, T / 64, V, K] bf16 (the transposed gradient of the
       state after each chunk); dh0 fp32 of dht's shape (at the start of the sequence / each segment).
     Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, V not a multiple of 64, qg / kd /
-      aqk / do not bf16, gl / dht not fp32, w neither, NS not dividing T / 64, or shapes that do not
-      match.
+      aqk / do not bf16, gl / dht not fp32, w neither fp32 nor bf16, NS not dividing T / 64, or
+      shapes that do not match.
     """
     B, H, T, K = qg.shape
     V = do.shape[-1]

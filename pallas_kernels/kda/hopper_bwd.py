@@ -19,8 +19,9 @@ the next is issued, so that one warpgroup fits in 255 registers a thread (ptxas:
 spills; 1044 bytes before these two changes); only dA accumulates across the halves.
 
 I/O: every input but beta arrives by TMA in five phases (one barrier each): 0 the states and dO;
-1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). W and dU are
-rounded to bf16 operands and A split into hi / lo operands from their SMEM staging; U, G and M are
+1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). W (fp32) and
+dU are rounded to bf16 operands (a bf16 W, ops.KernelOptions.hopper_bf16_w, is copied straight into
+its operand buffer) and A split into hi / lo operands from their SMEM staging; U, G and M are
 read from theirs as fp32. beta is one 256-byte read
 straight into registers; the outputs are written straight from registers. SMEM: 224 KiB at
 K = V = 128 (one CTA per SM; plgpu.RefUnion shares the staging buffers between phases).

@@ -23,7 +23,8 @@ xla_gate_cumsum + pallas_cumsum the chunk-local cumsum of g and the reverse cums
 more Pallas kernels (cumsum.chunk_cumsum) between them (in XLA with pallas_cumsum=False).
 
 Saved for the backward, per (batch, head), for bf16 inputs at K = V = 128 and T tokens:
-qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4), e^{G_last}, A and M
+qg, kd, aqk bf16 (T x (128 + 128 + 64) x 2 bytes), w, u fp32 (T x 256 x 4; w bf16 where the Hopper
+forward kernel writes it, KernelOptions.hopper_bf16_w), e^{G_last}, A and M
 fp32 (T x 128 x 4), the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs.
 
 Packed documents (segment_ids): XLA turns the ids into per-chunk document offsets
@@ -131,7 +132,9 @@ def factor_dtypes(dtype) -> tuple:
     fp32 inputs: all fp32. bf16 inputs: qg, kd, aqk bf16 and w, u fp32. Measured in interpret mode
     (CPU, (1, 1024, 2, 128) bf16, RMS ratio vs the fp32 recurrence): all fp32 o 2.85e-3, ht 1.7e-5;
     this choice o 3.29e-3, ht 3.0e-4; all five bf16 o 3.70e-3, ht 1.8e-3 (tolerance 5e-3): w and u
-    in bf16 cost the most accuracy for their bytes.
+    in bf16 cost the most accuracy for their bytes (with the TF32 state dots of that time; where
+    every consumer of w takes it as a bf16 operand anyway, the Hopper forward kernel writes it in
+    bf16: KernelOptions.hopper_bf16_w).
     """
     if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
         return (jnp.float32,) * 5
@@ -258,8 +261,9 @@ class KernelOptions:
       hopper_fused_wu runs, W is written in bf16 (the rounding its bf16-operand consumers apply:
       the Hopper state passes and backward kernel a then copy it by TMA straight into their wgmma
       operand buffers, without the fp32 load / round / store step, which sits on the serial passes'
-      critical path; the Triton kernels that read W upcast it). Half W's bytes. Numerics: the same
-      where W is a bf16 operand (bit-identical outputs in the GPU tests); the sequence split's
+      critical path; the Triton kernels that read W upcast it). Half W's bytes. Only with
+      bf16_state_dots and bf16_state_bwd_dots (else W stays fp32). Numerics: the same where W is a
+      bf16 operand (bit-identical outputs in the GPU tests); the sequence split's
       transitions (exact dots) see the rounded W. Measured on the H200 (one process, 2026-12-01
       22:34 UTC): op forward 4.26 -> 3.79 ms, forward+backward 14.60 -> 13.78 at 1x65536x16x128;
       6.28 -> 6.19 forward+backward at 8x4096x16x128.
@@ -310,7 +314,8 @@ UNBOUNDED_OPTIONS = KernelOptions(split_intra_bwd=True, parallel_output=True, bf
                                   hopper_bf16_w=True)
 # The fields that do not touch the gate arithmetic (kernel a over V blocks, the cumsum kernel, the
 # backward state pass's dot precision, the Hopper state passes and kernel a; the Hopper kernel b and
-# forward kernel a, which are not used for unbounded gates whatever they say): unbounded gates run with
+# the Hopper forward kernel with its fused W / U and bf16 W, which are not used for unbounded gates
+# whatever they say): unbounded gates run with
 # UNBOUNDED_OPTIONS and any values of these (tested in interpret mode against UNBOUNDED_OPTIONS:
 # test_tile_state_bwd_matches_whole_states, TestPallasCumsumOption, TestBf16StateBwdDots,
 # test_kda_hopper.TestHopperStateOptions, test_kda_hopper_bwd.TestHopperIntraBwdOption).
@@ -511,8 +516,10 @@ def _intra_fwd(q, k, v, g, beta, rel, *, scale, chunk_size, interpret, options, 
                              gate_cumsum=options.xla_gate_cumsum, segments=rel,
                              split=options.split_intra_fwd, unbounded=unbounded)
     if options.hopper_fused_wu and v.shape[-1] in hopper.HEAD_DIMS:
-        return hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve,
-                                    bf16_w=options.hopper_bf16_w, interpret=interpret)
+        # bf16 W only where both state passes round W to bf16 anyway (their bf16-operand dots)
+        bf16_w = options.hopper_bf16_w and options.bf16_state_dots and options.bf16_state_bwd_dots
+        return hopper_fwd.intra_fwd(q, k, v, g, beta, scale=scale, save_solve=save_solve, bf16_w=bf16_w,
+                                    interpret=interpret)
     qg, kd, aqk, gl, A, *M = hopper_fwd.intra_fwd_a(q, k, g, beta, scale=scale, save_solve=save_solve,
                                                     interpret=interpret)
     w, u = fwd.intra_fwd_b(k, v, g, beta, A, chunk_size=chunk_size, interpret=interpret, factor_dtype=fd,
