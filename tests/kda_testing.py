@@ -44,6 +44,13 @@ def assert_rms_close(name: str, ref, out, tol: float) -> float:
     return err
 
 
+def assert_all_equal(names, outs, refs):
+    """Asserts that each of outs equals its ref bit for bit (compared as fp32), naming the first that
+    does not."""
+    for name, out, ref in zip(names, outs, refs, strict=True):
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32), err_msg=name)
+
+
 def make_kda_inputs(key, B, T, H, K, V=None, *, gate: str = "bounded", dtype=jnp.float32):
     """Fresh random KDA inputs (ANCHORS.md recipe), rounded to `dtype` and returned in `dtype`.
 

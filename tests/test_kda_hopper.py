@@ -19,7 +19,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import bwd, common, fwd, hopper, ops
-from tests.kda_testing import assert_rms_close
+from tests.kda_testing import assert_all_equal, assert_rms_close
 from tests.test_kda_pallas import GRAD_NAMES, _fake_h200, option_ab_inputs, pallas_outputs
 
 
@@ -387,16 +387,13 @@ def _check_bf16_w(interpret, fwd_shape=(1, 1, 256, 128, 64), bwd_shape=(1, 1, 25
     aqk = jnp.tril(jnp.ones((*fwd_shape[:2], fwd_shape[2] // 64, 64, 64))).reshape(*fwd_shape[:3], 64)
     args = (kd, w, u, gl, h0, kd, (0.1 * aqk).astype(jnp.bfloat16))
     run = jax.jit(lambda *a: hopper.state_output_fwd(*a, interpret=interpret))
-    for name, x, r in zip(("o", "h", "ht"), run(*args[:1], w.astype(jnp.bfloat16), *args[2:]), run(*args)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+    assert_all_equal(("o", "h", "ht"), run(*args[:1], w.astype(jnp.bfloat16), *args[2:]), run(*args))
     run = jax.jit(lambda *a: hopper.state_fwd(*a, interpret=interpret))
-    for name, x, r in zip(("vp", "h", "ht"), run(kd, w.astype(jnp.bfloat16), u, gl, h0), run(kd, w, u, gl, h0)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+    assert_all_equal(("vp", "h", "ht"), run(kd, w.astype(jnp.bfloat16), u, gl, h0), run(kd, w, u, gl, h0))
     qg, kd, w, aqk, gl, do, dht = _bwd_inputs(*bwd_shape)
     run = jax.jit(lambda *a: hopper.state_bwd(*a, interpret=interpret))
-    for name, x, r in zip(("du", "dh", "dh0"), run(qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht),
-                          run(qg, kd, w, aqk, gl, do, dht)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(r, np.float32), err_msg=name)
+    assert_all_equal(("du", "dh", "dh0"), run(qg, kd, w.astype(jnp.bfloat16), aqk, gl, do, dht),
+                     run(qg, kd, w, aqk, gl, do, dht))
 
 
 class TestHopperBf16W:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import bwd, hopper_bwd, ops
-from tests.kda_testing import assert_rms_close
+from tests.kda_testing import assert_all_equal, assert_rms_close
 from tests.test_kda_hopper import _no_races
 from tests.test_kda_pallas import GRAD_NAMES, _fake_h200, lowered_grad_text, option_ab_inputs, pallas_outputs
 
@@ -61,8 +61,7 @@ def _check_bf16_w(shape, interpret):
     run = jax.jit(lambda *a: hopper_bwd.intra_bwd_a(*a, scale=shape[3] ** -0.5, interpret=interpret))
     ref = run(*args)
     args[9] = args[9].astype(jnp.bfloat16)
-    for name, o, r in zip(NAMES, run(*args), ref):
-        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32), err_msg=name)
+    assert_all_equal(NAMES, run(*args), ref)
 
 
 class TestHopperIntraBwd:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import fwd, hopper_fwd, ops
-from tests.kda_testing import assert_rms_close, rms_ratio
+from tests.kda_testing import assert_all_equal, assert_rms_close, rms_ratio
 from tests.test_kda_hopper import _no_races
 from tests.test_kda_hopper_bwd import _inputs as _a_inputs
 from tests.test_kda_pallas import GRAD_NAMES, lowered_grad_text, option_ab_inputs, pallas_outputs
@@ -168,8 +168,7 @@ class TestHopperBf16W:
         out = hopper_fwd.intra_fwd(*args, scale=0.125, bf16_w=True, interpret=True)
         assert out[2].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(ref[2].astype(jnp.bfloat16)))
-        for o, r in zip(out[:2] + out[3:], ref[:2] + ref[3:]):
-            np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
+        assert_all_equal(("qg", "kd", "u", "aqk", "gl"), out[:2] + out[3:], ref[:2] + ref[3:])
 
     def test_op_matches_option_off(self, monkeypatch):
         # Every consumer of W in the default op (the fused state / output pass, the backward state
@@ -190,11 +189,8 @@ class TestHopperBf16W:
                         ("intra_bwd_a", jnp.bfloat16)]
         o0, ht0, g0 = pallas_outputs(x, do, dht, off)
         assert [dt for _, dt in seen[3:]] == [jnp.float32] * 3
-        np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o, np.float32))
-        np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht))
-        for name in GRAD_NAMES:
-            np.testing.assert_array_equal(np.asarray(g0[name], np.float32), np.asarray(grads[name], np.float32),
-                                          err_msg=name)
+        assert_all_equal(("o", "ht") + GRAD_NAMES, [o, ht] + [grads[n] for n in GRAD_NAMES],
+                         [o0, ht0] + [g0[n] for n in GRAD_NAMES])
         # Without the fused output pass hopper.state_fwd takes the bf16 W, without the Hopper state
         # passes the Triton one (it rounds W to bf16 for its bf16-operand dot anyway): the same o.
         real = hopper.state_fwd
