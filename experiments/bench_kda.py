@@ -2,7 +2,12 @@
 
 Method (DESIGN.md "Performance method"): each implementation is jitted once per shape; after warm-up
 calls, every timed call gets FRESH random inputs (generated before the clock starts, never zeros),
-is synchronised with `block_until_ready`, and the median of >= 20 calls is reported. Inputs follow
+is synchronised with `block_until_ready`, and the median of >= 20 calls is reported ("median ms": host
+wall time per call, dispatch and synchronisation included). Next to it, "back-to-back ms" (DESIGN.md's
+"around many calls"): --stream_calls calls on one fresh input set dispatched without waiting, one
+`block_until_ready` after the last, the time divided by the calls; median over --stream_reps such
+groups. With the device busy the host's dispatch overlaps the previous call, so it is the device
+time per call, like fla's triton do_bench (CUDA events around each call). Inputs follow
 the ANCHORS.md recipe: q ~ N(0,1), k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)),
 beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op (--declared_lower_bound=none times the
 exact unbounded-gate paths of chunked / pallas on the same inputs; rows record it). fwd+bwd = value_and_grad of
@@ -49,6 +54,8 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, 
 flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd")
 flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
+flags.DEFINE_integer("stream_calls", 10, "back-to-back timing: calls per group, one sync after the last (0 = off)")
+flags.DEFINE_integer("stream_reps", 20, "back-to-back timing: groups, each on fresh inputs (median reported)")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without extension ('' = no files); the "
                     "committed CPU table is --out=experiments/results/kda_cpu")
@@ -93,11 +100,15 @@ def make_inputs(key, B, T, H, K, dtype):
     return q, k, v, g, beta, do
 
 
-def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, warmup: int) -> dict:
-    """Median wall time of fn(*make_args(i)) over `iters` calls with fresh inputs, after warm-up.
+def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, warmup: int,
+              stream_calls: int = 0, stream_reps: int = 0) -> dict:
+    """Median wall time of fn(*make_args(i)) over `iters` calls with fresh inputs, after warm-up, and
+    the back-to-back time per call (module docstring).
 
     fn: a jitted callable; make_args(i) returns the i-th fresh argument tuple (built and made ready
-    before its call is timed). Returns dict(median_ms, min_ms, max_ms, iters, compile_s).
+    before its call is timed); stream_calls, stream_reps: the back-to-back groups (0 = none).
+    Returns dict(median_ms, min_ms, max_ms, iters, compile_s) and, with back-to-back groups,
+    stream_ms (median over the groups of group time / stream_calls), stream_calls, stream_reps.
     """
     args = jax.block_until_ready(make_args(0))
     t0 = time.perf_counter()
@@ -111,8 +122,19 @@ def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, wa
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return dict(median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), max_ms=1e3 * max(times),
-                iters=iters, compile_s=compile_s)
+    out = dict(median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), max_ms=1e3 * max(times),
+               iters=iters, compile_s=compile_s)
+    if stream_calls > 0 and stream_reps > 0:
+        groups = []
+        for i in range(stream_reps):
+            args = jax.block_until_ready(make_args(2000 + i))
+            t0 = time.perf_counter()
+            for _ in range(stream_calls):
+                last = fn(*args)              # dispatched without waiting; the stream runs them in order
+            jax.block_until_ready(last)
+            groups.append((time.perf_counter() - t0) / stream_calls)
+        out.update(stream_ms=1e3 * statistics.median(groups), stream_calls=stream_calls, stream_reps=stream_reps)
+    return out
 
 
 def implementations(chunk_size: int) -> dict[str, Callable]:
@@ -327,6 +349,9 @@ def check_flags():
       ValueError: naming the flag and the accepted values.
     """
     declared_lower_bound()
+    for name in ("iters", "stream_calls", "stream_reps"):
+        if getattr(FLAGS, name) < 0 or (name == "iters" and FLAGS.iters < 1):
+            raise ValueError(f"--{name}: must be {'>= 1' if name == 'iters' else '>= 0'}; got {getattr(FLAGS, name)}")
     if not FLAGS.modes or set(FLAGS.modes) - set(MODES):
         raise ValueError(f"--modes: choose from {MODES}; got {FLAGS.modes}")
     unknown = sorted(set(FLAGS.implementations) - set(KNOWN_IMPLEMENTATIONS))
@@ -359,7 +384,8 @@ def time_all():
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
-                              iters=FLAGS.iters, warmup=FLAGS.warmup)
+                              iters=FLAGS.iters, warmup=FLAGS.warmup, stream_calls=FLAGS.stream_calls,
+                              stream_reps=FLAGS.stream_reps)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
                            chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup,
                            lower_bound=declared_lower_bound(), **r)
@@ -370,6 +396,37 @@ def time_all():
                     with open(FLAGS.out + ".json", "w") as f:
                         json.dump(dict(environment=env, rows=rows), f, indent=1)
     return env, rows
+
+
+PEERS = ("jla", "fla")
+
+
+def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
+    """Markdown lines comparing pallas / chunked with the peers per shape and mode, by the rows' `key`
+    ("median_ms" or "stream_ms"; fla's rows, do_bench device times, always by "median_ms")."""
+    lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 TFLOP/s, bytes / "
+             "4.3 TB/s), the H200 rates measured on these machines):", "",
+             "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
+             "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shape in FLAGS.shapes:
+        B, T, H, K = (int(x) for x in shape.lower().split("x"))
+        flops, nbytes = counts(B, T, H, K, K, FLAGS.chunk_size)
+        for mode in FLAGS.modes:
+            mult = 1 if mode == "fwd" else 3
+            floor = max(mult * flops / 790e12, mult * nbytes / 4.3e12) * 1e3
+            t = {r["implementation"]: r.get("median_ms" if r["implementation"] == "fla" else key) for r in rows
+                 if r["mode"] == mode and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
+            t = {n: ms for n, ms in t.items() if ms is not None}
+            best = min([t[p] for p in PEERS if p in t] or [float("nan")])
+            cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
+            ratio = lambda n: f"{t[n] / best:.2f}" if n in t else "—"  # noqa: E731
+            pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
+            speedup = f"{t['chunked'] / t['pallas']:.2f}×" if {"chunked", "pallas"} <= set(t) else "—"
+            lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
+                         f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {speedup} | {floor:.3f} | "
+                         f"{pct} |")
+    return lines
 
 
 def main(argv):
@@ -386,9 +443,14 @@ def main(argv):
         def join(key):
             return "/".join(dict.fromkeys(str(r[key]) for r in timed if key in r)) or "?"
         dtype, iters, warmup = join("dtype"), join("iters"), join("warmup")
+        stream = (join("stream_reps"), join("stream_calls"))
         merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
     else:
         dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
+        stream = (FLAGS.stream_reps, FLAGS.stream_calls) if FLAGS.stream_calls and FLAGS.stream_reps else ("?", "?")
+    stream_note = ("" if not any("stream_ms" in r for r in timed) else
+                   f"; back-to-back ms: median of {stream[0]} groups of {stream[1]} calls dispatched without "
+                   "waiting (one sync a group), per call")
     declared = "/".join(dict.fromkeys(str(r.get("lower_bound", -5.0)) for r in timed)) or "-5.0"
     fla_versions = sorted({", ".join(f"{k} {v}" for k, v in r["versions"].items())
                            for r in rows if r["implementation"] == "fla" and r.get("versions")})
@@ -398,44 +460,29 @@ def main(argv):
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {dtype} q/k/v/beta, fp32 g = "
              f"-5 sigmoid(N(0,1)), lower_bound {declared} declared to chunked / pallas; median of {iters} calls with fresh inputs "
-             f"after {warmup if warmup != '?' else 'some'} warm-up calls{fla_note}.{merged}", "",
-             "| B×T×H×K | implementation | mode | median ms | min ms | max ms | vs recurrent |", "|---|---|---|---|---|---|---|"]
+             f"after {warmup if warmup != '?' else 'some'} warm-up calls{stream_note}{fla_note}.{merged}", "",
+             "| B×T×H×K | implementation | mode | median ms | min ms | max ms | back-to-back ms | vs recurrent |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in [r for r in rows if r["mode"] == "check"]:
         if "rms_ratio_vs_fp32_recurrent" in r:
             what, errs = f"RMS ratio vs fp32 recurrent (1×{r['check_T']}×{r['H']})", r["rms_ratio_vs_fp32_recurrent"]
         else:  # runs before 2026-12-01 compared with the bf16 chunked op at the timed shape
             what, errs = "RMS ratio vs chunked", r["rms_ratio_vs_chunked"]
         lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {what} | " +
-                     ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + " | | | |")
+                     ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + " | | | | |")
     for r in [r for r in rows if r["mode"] != "check"]:
         ref = [x for x in rows if x["implementation"] == "recurrent" and x["mode"] == r["mode"]
                and (x["B"], x["T"], x["H"], x["K"]) == (r["B"], r["T"], r["H"], r["K"])]
         speed = f"{ref[0]['median_ms'] / r['median_ms']:.1f}×" if ref else "—"
         lines.append(f"| {r['B']}×{r['T']}×{r['H']}×{r['K']} | {r['implementation']} | {r['mode']} | "
-                     f"{r['median_ms']:.2f} | {_ms(r.get('min_ms'))} | {_ms(r.get('max_ms'))} | {speed} |")
-    peers = {"fla", "jla"}
-    if any(r["implementation"] in peers for r in rows):
-        lines += ["", "Side by side (median ms; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 "
-                  "TFLOP/s, bytes / 4.3 TB/s), the H200 rates measured on these machines):", "",
-                  "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
-                  "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for shape in FLAGS.shapes:
-            B, T, H, K = (int(x) for x in shape.lower().split("x"))
-            flops, nbytes = counts(B, T, H, K, K, FLAGS.chunk_size)
-            for mode in FLAGS.modes:
-                mult = 1 if mode == "fwd" else 3
-                floor = max(mult * flops / 790e12, mult * nbytes / 4.3e12) * 1e3
-                t = {r["implementation"]: r["median_ms"] for r in rows
-                     if r["mode"] == mode and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
-                best = min([t[p] for p in peers if p in t] or [float("nan")])
-                cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
-                ratio = lambda n: f"{t[n] / best:.2f}" if n in t else "—"  # noqa: E731
-                pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
-                speedup = f"{t['chunked'] / t['pallas']:.2f}×" if {"chunked", "pallas"} <= set(t) else "—"
-                lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
-                             f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {speedup} | {floor:.3f} | "
-                             f"{pct} |")
+                     f"{r['median_ms']:.2f} | {_ms(r.get('min_ms'))} | {_ms(r.get('max_ms'))} | "
+                     f"{_ms(r.get('stream_ms'))} | {speed} |")
+    if any(r["implementation"] in PEERS for r in rows):
+        lines += side_by_side(rows, "median_ms", "Side by side (median ms per call, host wall time; fla's rows are "
+                              "do_bench device times")
+        if any("stream_ms" in r for r in rows):
+            lines += side_by_side(rows, "stream_ms", "Side by side, device-bound (back-to-back ms per call for the "
+                                  "JAX rows, do_bench for fla: like for like")
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:

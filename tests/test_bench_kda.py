@@ -13,7 +13,7 @@ def test_check_rows_and_merge_with_fla_rows(tmp_path):
     repo = __file__.rsplit("/tests/", 1)[0]
     out = tmp_path / "kda"
     _run("--shapes=1x64x1x16", "--implementations=chunked", "--iters=1", "--warmup=0", "--check_max_t=32",
-         f"--out={out}", cwd=repo)
+         "--stream_calls=3", "--stream_reps=2", f"--out={out}", cwd=repo)
     saved = json.loads((tmp_path / "kda.json").read_text())
     check = [r for r in saved["rows"] if r["mode"] == "check"]
     assert len(check) == 1 and check[0]["check_T"] == 32
@@ -26,11 +26,15 @@ def test_check_rows_and_merge_with_fla_rows(tmp_path):
     _run(f"--from_json={tmp_path / 'kda.json'},{tmp_path / 'kda_fla.jsonl'}", f"--out={tmp_path / 'merged'}",
          cwd=repo)
     md = (tmp_path / "merged.md").read_text()
+    timed = {r["mode"]: r for r in saved["rows"] if r["mode"] != "check"}
+    assert all(r["stream_ms"] > 0 and (r["stream_calls"], r["stream_reps"]) == (3, 2) for r in timed.values())
     fwd = [line for line in md.splitlines() if line.startswith("| 1×64×1 | fwd |")]
-    assert len(fwd) == 1
-    cells = [c.strip() for c in fwd[0].strip("|").split("|")]
-    assert cells[5] == f"{fla_row['median_ms']:.2f}"          # the fla column comes from the .jsonl
-    assert cells[7] == "0.50"                                   # chunked / best peer
+    assert len(fwd) == 2                                        # wall-time and back-to-back tables
+    wall, device = ([c.strip() for c in line.strip("|").split("|")] for line in fwd)
+    assert wall[5] == device[5] == f"{fla_row['median_ms']:.2f}"   # the fla column comes from the .jsonl
+    assert wall[7] == "0.50"                                    # chunked / best peer
+    assert device[3] == f"{timed['fwd']['stream_ms']:.2f}"      # the JAX rows by their back-to-back times
+    assert device[7] == f"{timed['fwd']['stream_ms'] / fla_row['median_ms']:.2f}"
 
 
 def test_experiment_modules_the_tests_import_coexist_in_one_process():

@@ -96,6 +96,7 @@ def test_bench_kda_rejects_flag_typos_before_timing(tmp_path):
     repo = __file__.rsplit("/tests/", 1)[0]
     for flag, message in (("--modes=fwd,bwd", "--modes"), ("--implementations=chunkd", "--implementations"),
                           ("--shapes=1x64x1", "--shapes"), ("--declared_lower_bound=-7", "--declared_lower_bound"),
-                          ("--declared_lower_bound=unbounded", "--declared_lower_bound")):
+                          ("--declared_lower_bound=unbounded", "--declared_lower_bound"),
+                          ("--stream_calls=-1", "--stream_calls"), ("--iters=0", "--iters")):
         r = _bench_kda(flag, "--out=", cwd=repo)
         assert r.returncode != 0 and message in r.stderr, (flag, r.stderr[-1000:])
