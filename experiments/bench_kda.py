@@ -6,8 +6,10 @@ is synchronised with `block_until_ready`, and the median of >= 20 calls is repor
 wall time per call, dispatch and synchronisation included). Next to it, "back-to-back ms" (DESIGN.md's
 "around many calls"): --stream_calls calls on one fresh input set dispatched without waiting, one
 `block_until_ready` after the last, the time divided by the calls; median over --stream_reps such
-groups. With the device busy the host's dispatch overlaps the previous call, so it is the device
-time per call, like fla's triton do_bench (CUDA events around each call). Inputs follow
+groups (on by default on a GPU only). With the device busy the host's dispatch overlaps the
+previous call, so it is the device time per call, close to fla's triton do_bench (CUDA events around
+each call; do_bench also clears the L2 cache before each call, the groups reuse one input set whose
+~0.3-1 GB at the H200 shapes do not fit the 50 MB L2 anyway). Inputs follow
 the ANCHORS.md recipe: q ~ N(0,1), k L2-normalised, v ~ N(0,1), g = -5 sigmoid(N(0,1)),
 beta = sigmoid(N(0,1)); lower_bound = -5 is declared to the op (--declared_lower_bound=none times the
 exact unbounded-gate paths of chunked / pallas on the same inputs; rows record it). fwd+bwd = value_and_grad of
@@ -18,8 +20,9 @@ pallas_kernels.kda imports and covers the call; interpret mode off GPU), and the
 (jax-linear-attention's Mosaic GPU KDA, on a GPU when importable) and fla (`--fla`: chunk_kda in a torch
 subprocess, triton do_bench medians, rows also appended to `<out>_fla.jsonl`). Accuracy: every
 implementation but "recurrent" against the fp32 recurrent oracle on the first min(T, --check_max_t)
-tokens (RMS ratios of o and of the five gradients). With a peer, a side-by-side table adds the ratios
-to the best peer, chunked / pallas and the H200 floor.
+tokens (RMS ratios of o and of the five gradients). With a peer, side-by-side tables (per-call wall
+times; back-to-back times where the rows have them) add the ratios to the best peer, chunked / pallas
+and the H200 floor.
 
 Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
      [--dtype=bfloat16 --iters=20] --out=experiments/results/kda_cpu
@@ -54,7 +57,8 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, 
 flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd")
 flags.DEFINE_integer("iters", 20, "timed calls (median reported)")
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
-flags.DEFINE_integer("stream_calls", 10, "back-to-back timing: calls per group, one sync after the last (0 = off)")
+flags.DEFINE_integer("stream_calls", None, "back-to-back timing: calls per group, one sync after the last "
+                     "(0 = off; default 10 on a GPU, 0 elsewhere)")
 flags.DEFINE_integer("stream_reps", 20, "back-to-back timing: groups, each on fresh inputs (median reported)")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without extension ('' = no files); the "
@@ -349,6 +353,8 @@ def check_flags():
       ValueError: naming the flag and the accepted values.
     """
     declared_lower_bound()
+    if FLAGS.stream_calls is None:
+        FLAGS.stream_calls = 10 if jax.default_backend() == "gpu" else 0
     for name in ("iters", "stream_calls", "stream_reps"):
         if getattr(FLAGS, name) < 0 or (name == "iters" and FLAGS.iters < 1):
             raise ValueError(f"--{name}: must be {'>= 1' if name == 'iters' else '>= 0'}; got {getattr(FLAGS, name)}")
@@ -403,7 +409,8 @@ PEERS = ("jla", "fla")
 
 def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
     """Markdown lines comparing pallas / chunked with the peers per shape and mode, by the rows' `key`
-    ("median_ms" or "stream_ms"; fla's rows, do_bench device times, always by "median_ms")."""
+    ("median_ms" or "stream_ms"; fla's rows, do_bench device times, always by "median_ms"). A peer
+    whose row lacks `key` leaves the ratios "—" (never a ratio to the other peer alone)."""
     lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 TFLOP/s, bytes / "
              "4.3 TB/s), the H200 rates measured on these machines):", "",
              "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
@@ -417,10 +424,12 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
             floor = max(mult * flops / 790e12, mult * nbytes / 4.3e12) * 1e3
             t = {r["implementation"]: r.get("median_ms" if r["implementation"] == "fla" else key) for r in rows
                  if r["mode"] == mode and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
+            peer_missing = any(t.get(p, 0.0) is None for p in PEERS)
             t = {n: ms for n, ms in t.items() if ms is not None}
-            best = min([t[p] for p in PEERS if p in t] or [float("nan")])
+            peers = [t[p] for p in PEERS if p in t]
+            best = min(peers) if peers and not peer_missing else None
             cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
-            ratio = lambda n: f"{t[n] / best:.2f}" if n in t else "—"  # noqa: E731
+            ratio = lambda n: f"{t[n] / best:.2f}" if n in t and best else "—"  # noqa: E731
             pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
             speedup = f"{t['chunked'] / t['pallas']:.2f}×" if {"chunked", "pallas"} <= set(t) else "—"
             lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
@@ -482,7 +491,7 @@ def main(argv):
                               "do_bench device times")
         if any("stream_ms" in r for r in rows):
             lines += side_by_side(rows, "stream_ms", "Side by side, device-bound (back-to-back ms per call for the "
-                                  "JAX rows, do_bench for fla: like for like")
+                                  "JAX rows, do_bench for fla; close to like for like")
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:

@@ -1,8 +1,8 @@
 """Per-kernel GPU time of every KDA implementation at the given shapes, side by side: k3jax pallas (and
 chunked), jax-linear-attention's Mosaic GPU KDA and fla's Triton chunk_kda.
 
-Where bench_kda gives one wall time per implementation, this says which kernels take it, so the gap to
-a peer can be pinned to a stage (intra-chunk factors, solve, state pass, output, backward pieces).
+Where bench_kda gives one time per implementation (per call and back to back), this says which
+kernels take it, so the gap to a peer can be pinned to a stage (intra-chunk factors, solve, state pass, output, backward pieces).
 Inputs: bench_kda.make_inputs (ANCHORS recipe: bf16 q/k/v/beta, fp32 g = -5 sigmoid(N(0,1)), k
 L2-normalised), lower_bound = -5 declared to our ops; fla gets the same recipe in torch.
 

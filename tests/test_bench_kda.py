@@ -73,3 +73,29 @@ def test_profile_kda_peers_tables_from_a_cpu_trace(tmp_path):
     assert (tmp_path / "again" / "peers.md").read_text() == (tmp_path / "peers.md").read_text()
     bad = run("--from_json=a.json,b.json", f"--out={out}", check=False)
     assert bad.returncode != 0 and "--from_json takes one JSON" in bad.stderr
+
+
+def test_time_call_back_to_back_groups_reuse_one_input_set_each():
+    """time_call's call pattern (subprocess: bench_kda defines absl flags at import): compile + warm-up +
+    timed calls each with fresh inputs, then stream_reps groups of stream_calls calls, one fresh input
+    set a group; without groups no stream_ms."""
+    repo = __file__.rsplit("/tests/", 1)[0]
+    code = """
+import jax.numpy as jnp
+from experiments.bench_kda import time_call
+calls, made = [], []
+def fn(x):
+    calls.append(x)
+    return x + 1
+def make_args(i):
+    made.append(i)
+    return (jnp.full((4,), float(i)),)
+r = time_call(fn, make_args, iters=3, warmup=2, stream_calls=4, stream_reps=5)
+assert len(calls) == 1 + 2 + 3 + 4 * 5, len(calls)
+assert made == [0, 1, 2, 1000, 1001, 1002] + list(range(2000, 2005)), made
+assert all(calls[6 + 4 * g + j] is calls[6 + 4 * g] for g in range(5) for j in range(4))
+assert r["stream_ms"] > 0 and (r["stream_calls"], r["stream_reps"], r["iters"]) == (4, 5, 3), r
+assert "stream_ms" not in time_call(fn, make_args, iters=1, warmup=0, stream_calls=0, stream_reps=5)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -68,6 +68,18 @@ def test_bench_kda_from_json_header_and_duplicates(tmp_path):
     assert "float32 q/k/v/beta" in md and "median of 5 calls" in md and "after 1 warm-up calls" in md, md
     assert "Merged (`--from_json`) from `a.json`, `a_fla.jsonl`" in md
     assert "| 1×64×1×16 | fla | fwd | 0.50 | — | — |" in md            # do_bench rows have no min/max
+    assert "device-bound" not in md and "back-to-back ms: median" not in md   # no row has back-to-back times
+    # A jla row with a back-to-back time next to one without: the device-bound table shows no ratio
+    # (never one to the other peer alone).
+    jla = dict(row, implementation="jla", median_ms=2.0)
+    (tmp_path / "c.json").write_text(json.dumps(dict(environment=env, rows=[
+        dict(row, implementation="pallas", stream_ms=0.8), jla])))
+    r = _bench_kda(f"--from_json={tmp_path / 'c.json'},{tmp_path / 'a_fla.jsonl'}", f"--out={tmp_path / 'c'}",
+                   cwd=repo)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wall, device = [line for line in (tmp_path / "c.md").read_text().splitlines()
+                    if line.startswith("| 1×64×1 | fwd |")]
+    assert wall.split("|")[7].strip() == "2.00" and device.split("|")[7].strip() == "—", (wall, device)
     r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a.json'}", "--out=", cwd=repo)
     assert r.returncode != 0 and "two timing rows" in r.stderr, r.stderr[-2000:]
     # A re-run merged after the first: its row replaces the first file's, other rows stay.
