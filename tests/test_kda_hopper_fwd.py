@@ -336,6 +336,12 @@ class TestHopperIntraFwdOption:
         text = lowered_grad_text(ops.KernelOptions(), hopper_passes=True)
         assert text.count("custom_call @mosaic_gpu") == 4
         assert text.count("__gpu$xla.gpu.triton") == 3
+        # each Mosaic GPU kernel under its own name (what profilers show: profile_kda_peers)
+        for name in ("kda_intra_fwd_hopper", "kda_state_output_fwd_hopper", "kda_state_bwd_hopper",
+                     "kda_intra_bwd_a_hopper"):
+            assert name in text, name
+        for name in ("kda_intra_fwd_a_hopper", "kda_state_fwd_hopper", "kda_intra_bwd_b_hopper"):
+            assert name not in text, name
 
     def test_op_lowers_for_cuda_on_hopper(self):
         # With the device taken for an sm_90 GPU and the option on, the gradient lowers with the

@@ -175,6 +175,7 @@ class TestHopperScoreBwdOption:
         on = lowered_grad_text(dataclasses.replace(base, hopper_score_bwd=True), hopper_passes=True)
         off = lowered_grad_text(base, hopper_passes=True)
         assert on.count("custom_call @mosaic_gpu") == 4 and off.count("custom_call @mosaic_gpu") == 3
+        assert "kda_intra_bwd_b_hopper" in on and "kda_intra_bwd_b_hopper" not in off
         assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton") - 1
 
 

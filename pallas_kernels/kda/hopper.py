@@ -275,7 +275,8 @@ def state_fwd(kd, w, u, gl, h0, *, interpret: bool | plgpu.InterpretGPUParams = 
                        _operand((2, C, K) if w_bf16 else (C, K)), _operand((BV, K)), _operand((C, BV)),
                        plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
                        plgpu.Barrier(num_arrivals=4, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
-        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret),
+        kernel_name="kda_state_fwd_hopper")
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     h0s = h0 if per_segment else h0[:, :, None]
     vp, h, ht = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(h0s))
@@ -432,7 +433,8 @@ def state_output_fwd(kd, w, u, gl, h0, qg, aqk, *, out_dtype=BF16, write_states:
                        _operand((BV, K)), _operand((C, BV)), out_operand,
                        plgpu.Barrier(num_arrivals=6 if w_bf16 else 5, num_barriers=2),
                        plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
-        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret),
+        kernel_name="kda_state_output_fwd_hopper")
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     h0s = h0 if per_segment else h0[:, :, None]
     outs = kernel(flat(kd), flat(w), flat(u), flat(gl), flat(qg), flat(aqk), flat(h0s))
@@ -556,7 +558,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
                        _operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
                        plgpu.Barrier(num_arrivals=6 if w_bf16 else 5, num_barriers=2),
                        plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
-        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret))
+        grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret),
+        kernel_name="kda_state_bwd_hopper")
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     dhts = dht if per_segment else dht[:, :, None]
     du, dh, dh0 = kernel(flat(qg), flat(kd), flat(w), flat(aqk), flat(gl), do, flat(dhts))

@@ -283,7 +283,8 @@ def intra_bwd_a(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
                        _operand((C, C)), _operand((C, C)), states, staged,
                        *[plgpu.Barrier(num_arrivals=n) for n in (2 * KH + 1, KH + 1, 2, 3 * KH, 2)]],
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
-        interpret=interpret_params(interpret))
+        interpret=interpret_params(interpret),
+        kernel_name="kda_intra_bwd_a_hopper")
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(

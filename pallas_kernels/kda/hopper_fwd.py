@@ -259,7 +259,8 @@ def _intra(q, k, v, G, beta, *, scale, save_solve, interpret, bf16_w=False):
         scratch_types=[_operand((KH, C, HALF)), plgpu.SMEM((NB, K), F32), first, second,
                        plgpu.Barrier(num_arrivals=3 * KH + NB), plgpu.Barrier(num_arrivals=max(VH, 1))],
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
-        interpret=interpret_params(interpret))
+        interpret=interpret_params(interpret),
+        kernel_name="kda_intra_fwd_hopper" if wu else "kda_intra_fwd_a_hopper")
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     outs = kernel(q, k, *([v] if wu else []), G, beta_hm)
     return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)

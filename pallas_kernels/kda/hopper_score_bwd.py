@@ -193,6 +193,7 @@ def intra_bwd_b(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float,
                        _operand((NB - 1, C, HALF)), _operand((2, C, HALF)), staged,
                        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=3)],
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
-        interpret=interpret_params(interpret))
+        interpret=interpret_params(interpret),
+        kernel_name="kda_intra_bwd_b_hopper")
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     return kernel(q, k, G, flat(dqp), flat(dkp), flat(dgp), flat(dgl), flat(dM), flat(dAqk))
