@@ -91,6 +91,13 @@ def declared_lower_bound() -> float | None:
     return x
 
 
+def stream_calls() -> int:
+    """--stream_calls as timed: its default (None) is 10 on a GPU and 0 (no back-to-back rows) elsewhere."""
+    if FLAGS.stream_calls is not None:
+        return FLAGS.stream_calls
+    return 10 if jax.default_backend() == "gpu" else 0
+
+
 def make_inputs(key, B, T, H, K, dtype):
     """Fresh ANCHORS-recipe inputs (q, k, v, g, beta, do); g fp32, others in dtype."""
     ks = jax.random.split(key, 6)
@@ -353,11 +360,10 @@ def check_flags():
       ValueError: naming the flag and the accepted values.
     """
     declared_lower_bound()
-    if FLAGS.stream_calls is None:
-        FLAGS.stream_calls = 10 if jax.default_backend() == "gpu" else 0
-    for name in ("iters", "stream_calls", "stream_reps"):
-        if getattr(FLAGS, name) < 0 or (name == "iters" and FLAGS.iters < 1):
-            raise ValueError(f"--{name}: must be {'>= 1' if name == 'iters' else '>= 0'}; got {getattr(FLAGS, name)}")
+    for name, value, low in (("iters", FLAGS.iters, 1), ("stream_calls", stream_calls(), 0),
+                             ("stream_reps", FLAGS.stream_reps, 0)):
+        if value < low:
+            raise ValueError(f"--{name}: must be >= {low}; got {value}")
     if not FLAGS.modes or set(FLAGS.modes) - set(MODES):
         raise ValueError(f"--modes: choose from {MODES}; got {FLAGS.modes}")
     unknown = sorted(set(FLAGS.implementations) - set(KNOWN_IMPLEMENTATIONS))
@@ -390,7 +396,7 @@ def time_all():
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
-                              iters=FLAGS.iters, warmup=FLAGS.warmup, stream_calls=FLAGS.stream_calls,
+                              iters=FLAGS.iters, warmup=FLAGS.warmup, stream_calls=stream_calls(),
                               stream_reps=FLAGS.stream_reps)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
                            chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup,
@@ -456,7 +462,7 @@ def main(argv):
         merged = " Merged (`--from_json`) from " + ", ".join(f"`{os.path.basename(p)}`" for p in FLAGS.from_json) + "."
     else:
         dtype, iters, warmup, merged = FLAGS.dtype, FLAGS.iters, FLAGS.warmup, ""
-        stream = (FLAGS.stream_reps, FLAGS.stream_calls) if FLAGS.stream_calls and FLAGS.stream_reps else ("?", "?")
+        stream = (FLAGS.stream_reps, stream_calls())
     stream_note = ("" if not any("stream_ms" in r for r in timed) else
                    f"; back-to-back ms: median of {stream[0]} groups of {stream[1]} calls dispatched without "
                    "waiting (one sync a group), per call")
