@@ -82,6 +82,30 @@ def make_kda_inputs(key, B, T, H, K, V=None, *, gate: str = "bounded", dtype=jnp
     return out
 
 
+# Loss scales of the scale-invariance tests: powers of two near 1e-8, 1e-5, 1, 1e3 and 1e6, so that
+# grad(c L) / c equals grad(L) exactly wherever no intermediate leaves fp32's normal range. In
+# training the cotangent reaching a layer is of order 1 / tokens per step (c ~ 1e-5).
+LOSS_SCALES = (2.0 ** -27, 2.0 ** -17, 1.0, 2.0 ** 10, 2.0 ** 20)
+# Gates of the loss-scale tests, all inside lower_bound = -5: the ANCHORS recipe; most channels near
+# the bound; one fast channel (-4.95) among slow ones (-0.1); every gate exactly at the bound (a
+# 16-token tile then spans exactly 80 nats).
+LOSS_SCALE_GATES = ("recipe", "near_bound", "one_fast_channel", "at_bound")
+
+
+def loss_scale_gates(key, shape, case: str):
+    """g [B, T, H, K] fp32 for one of LOSS_SCALE_GATES (ValueError on another name)."""
+    z = jax.random.normal(key, shape)
+    if case == "recipe":
+        return -5.0 * jax.nn.sigmoid(z)
+    if case == "near_bound":
+        return -5.0 * jax.nn.sigmoid(z + 2.0)
+    if case == "one_fast_channel":
+        return jnp.full(shape, -0.1).at[..., 0].set(-4.95)
+    if case == "at_bound":
+        return jnp.full(shape, -5.0)
+    raise ValueError(f"case must be one of {LOSS_SCALE_GATES}; got {case=}")
+
+
 def kda_loss_and_grads(fn, inputs, do, dht):
     """(o, ht, grads) of L = sum(o * do) + sum(ht * dht) for fn(q, k, v, g, beta, h0) -> (o, ht).
 

@@ -10,9 +10,12 @@ cumsum of the previous tiles), so for a row i of tile b and a column j:
     exp(G_i - G_j) = exp(G_i - a_b) * exp(a_b - G_j).
 For columns in earlier tiles both factors have exponents <= 0 (the per-row-block anchor): one fp32 GEMM
 per row tile, never overflows. For the diagonal tile exp(a_b - G_j) >= 1 grows with the tile:
-- `lower_bound` declared (every g >= lower_bound >= -5): exp(a_b - G_j) <= exp(16 * 5) = e^80 < bf16 max
-  (about e^88.7), so the tile is ONE dense matmul (Q*e^(G-a))(K*e^(a-G))^T with bf16 operands (for
-  16-bit inputs; fp32 operands for fp32 inputs) and fp32 accumulation, masked with a select;
+- `lower_bound` declared (every g >= lower_bound >= -5): a tile spans at most 16 * 5 = 80 nats, so the
+  tile is ONE dense matmul (Q*e^(G-a+h))(K*e^(a-G-h))^T with bf16 operands (for 16-bit inputs; fp32
+  operands for fp32 inputs) and fp32 accumulation, masked with a select. The constant h = 40
+  (`centre_shift`) centres both factors' exponents in [-40, 40]: uncentred, the backward forms
+  (cotangent * e^-80), which backends without fp32 denormals (XLA:CPU, TPU) flush to zero for
+  cotangents below ~1e-3, and (cotangent * e^80), which overflows above ~1e3;
 - no bound: the exact pairwise form sum_c q_ic k_jc exp(G_ic - G_jc) on the masked (j <= i) entries,
   which never overflows for any g <= 0.
 The anchor is never a tile's middle or last row: that would let future gates enter past outputs
@@ -63,6 +66,21 @@ def validate_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a power of two >= {TILE}; got {chunk_size=}")
 
 
+def centre_shift(lower_bound: float, tile: int = TILE) -> float:
+    """h = tile |lower_bound| / 2 (40 nats for -5): the bounded diagonal tile's factors are
+    (a e^(G - anchor + h)) and (k e^(anchor - G - h)), so both exponents lie in [-h, h] instead of
+    [-2h, 0] and [0, 2h]. h is a constant (no gate enters it), so the anchor stays causal.
+
+    Why: with the uncentred split a tile's row factor reaches e^-80 and its column factor e^80; the
+    backward then forms (cotangent x e^-80) before multiplying by e^80, which is below fp32's normal
+    range (1.2e-38) for cotangents under ~1e-3 and is flushed to zero on backends without denormals
+    (XLA:CPU, TPU), and (cotangent x e^80) overflows for cotangents above ~1e3. Centred, every
+    product of a cotangent or input entry x with a factor stays in |x| e^(+-40): exact for |x|
+    (times |q|, |k|) between ~3e-21 and ~1e20.
+    """
+    return 0.5 * tile * abs(float(lower_bound))
+
+
 def _tile_operand_dtype(dtype) -> jnp.dtype:
     """Operand dtype of the bounded diagonal-tile GEMM: bf16 for 16-bit inputs, else the input dtype.
 
@@ -103,11 +121,12 @@ def _tile_gemm_bwd(tile_dtype, res, d):
 _tile_gemm.defvjp(_tile_gemm_fwd, _tile_gemm_bwd)
 
 
-def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, tile: int = TILE):
+def _chunk_scores(a, k, G, *, lower_bound, tile_dtype, include_diag: bool, tile: int = TILE):
     """sum_c a_ic k_jc exp(G_ic - G_jc) for j < i (or j <= i), zero elsewhere; fp32 [..., C, C].
 
     a, k, G: fp32 [..., C, K] (one chunk per leading index). Tiles of `tile` rows with the causal anchor
-    "cumsum before the tile"; see the module docstring for the two diagonal paths.
+    "cumsum before the tile"; see the module docstring for the two diagonal paths (lower_bound None:
+    exact pairwise; a number: one GEMM per diagonal tile).
     """
     *lead, C, K = G.shape
     nt = C // tile
@@ -128,10 +147,12 @@ def _chunk_scores(a, k, G, *, bounded: bool, tile_dtype, include_diag: bool, til
 
     ti = jnp.arange(tile)
     tri = (ti[None, :] <= ti[:, None]) if include_diag else (ti[None, :] < ti[:, None])  # [i, j]
-    if bounded:
-        # ONE dense GEMM per diagonal tile: exp(a_b - G_j) <= e^(16 |lower_bound|) <= e^80.
-        k_diag = kt * jnp.exp(anchor[..., None, :] - Gt)
-        diag = jnp.where(tri, _tile_gemm(a_anch, k_diag, jnp.dtype(tile_dtype)), 0.0)
+    if lower_bound is not None:
+        # ONE dense GEMM per diagonal tile, its two factors centred: exponents in +-h (see centre_shift).
+        h = centre_shift(lower_bound, tile) if tile == TILE else 0.0
+        a_diag = at * jnp.exp(Gt - anchor[..., None, :] + h)
+        k_diag = kt * jnp.exp(anchor[..., None, :] - Gt - h)
+        diag = jnp.where(tri, _tile_gemm(a_diag, k_diag, jnp.dtype(tile_dtype)), 0.0)
     else:
         # Exact pairwise exponents on the kept entries only: exp(G_i - G_j) with G_i - G_j <= 0.
         pair = _masked_exp(Gt[..., :, None, :] - Gt[..., None, :, :], tri[:, :, None])   # [.., nt, i, j, K]
@@ -184,7 +205,7 @@ def _solve_unit_lower(L, rhs, block: int = TILE):
     return jnp.concatenate(X, axis=-2)
 
 
-def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype, tile=TILE):
+def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, lower_bound, tile_dtype, tile=TILE):
     """Everything that does not need the incoming state, for all chunks at once.
 
     q, k, g: fp32 [B, H, N, C, K]; v [B, H, N, C, V]; beta [B, H, N, C]; run [B, 1, N, C] int32 run
@@ -198,10 +219,10 @@ def _intra_chunk(q, k, v, g, beta, run, run_in, *, scale, bounded, tile_dtype, t
     ii = jnp.arange(C)
     strict = ii[None, :] < ii[:, None]
 
-    kk = _chunk_scores(k, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=False,
+    kk = _chunk_scores(k, k, G, lower_bound=lower_bound, tile_dtype=tile_dtype, include_diag=False,
                         tile=tile)
     L = jnp.where(strict & same, beta[..., :, None] * kk, 0.0)
-    qk = _chunk_scores(q, k, G, bounded=bounded, tile_dtype=tile_dtype, include_diag=True,
+    qk = _chunk_scores(q, k, G, lower_bound=lower_bound, tile_dtype=tile_dtype, include_diag=True,
                         tile=tile)
     Aqk = jnp.where((strict | (ii[None, :] == ii[:, None])) & same, scale * qk, 0.0)
 
@@ -311,7 +332,7 @@ def _kda_chunked(q, k, v, g, beta, *, scale, initial_state, output_final_state, 
     # The barrier keeps XLA from folding the bf16 -> fp32 converts into the fp32 dots (on CPU that turns
     # them into slow bf16 dots; the math here is meant to be fp32).
     qc, kc, vc, gc, bc = jax.lax.optimization_barrier(tuple(to_chunks(x) for x in (q, k, v, g, beta)))
-    intra = jax.checkpoint(functools.partial(_intra_chunk, scale=scale, bounded=lower_bound is not None,
+    intra = jax.checkpoint(functools.partial(_intra_chunk, scale=scale, lower_bound=lower_bound,
                                              tile_dtype=tile_dtype, tile=tile))
     xs = intra(qc, kc, vc, gc, bc, run, run_in)
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in xs)                        # chunk axis first for the scan
