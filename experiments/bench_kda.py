@@ -164,7 +164,7 @@ def implementations(chunk_size: int) -> dict[str, Callable]:
         except ImportError:
             pass
     try:
-        import pallas_kernels.kda.ops  # noqa: F401
+        import pallas_kernels.kda  # noqa: F401
         out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas",
                                                      lower_bound=declared_lower_bound(), chunk_size=chunk_size,
                                                      interpret=interpret)[0]

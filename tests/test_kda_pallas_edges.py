@@ -1,15 +1,10 @@
-"""Edge cases of two Pallas KDA code paths, in interpret mode on CPU, against the fp32 recurrence.
-
-1. The exact diagonal tiles for unbounded gates (lower_bound=None, ops.UNBOUNDED_OPTIONS):
-   common.own_block_scores (forward) and bwd._own_block_bwd (backward). o, final state and every
-   gradient (dh0 included) at T < 16 and T not a multiple of 64, K and V not powers of two and
-   different (padded to 16), an initial state, packed documents of length 1 at the 16-token tile
-   edges and the 64-token chunk edges and a document per token, sequence_split 1 and None, gates
-   exactly 0, a single very negative gate (g = -1e4), beta exactly 0 and 1, fp32 and bf16.
-2. ops.KernelOptions(tile_state_bwd=True) (the backward's kernel a over V blocks of
-   bwd.STATE_BLOCK_V): V padded to a power of two (V = 100 -> 128: two blocks, the second one 36
-   padding columns; V = 33 -> 64: one block, no wider than the padded V), with segment_ids and
-   unbounded gates, against the recurrence and against the same options without it.
+"""Edge cases of the exact diagonal tiles for unbounded gates (lower_bound=None; the Triton kernels'
+triton/common.own_block_scores and triton/intra_bwd._own_block_bwd), interpret mode on CPU, against the
+fp32 recurrence: o, final state and every gradient (dh0 included) at T < 16 and T not a multiple of
+64, K and V not powers of two and different (padded to 16), an initial state, packed documents of
+length 1 at the 16-token tile edges and the 64-token chunk edges and a document per token,
+sequence_split 1 and None, gates exactly 0, a single very negative gate (g = -1e4), beta exactly 0
+and 1, fp32 and bf16.
 
 Known limit (not a kernel bug; measured, asserted in test_single_huge_gate_fp32): a single gate
 g = -1e4 followed by mild gates in the same chunk costs fp32 inputs 1.5e-4 .. 6.7e-4 RMS ratio
@@ -21,7 +16,6 @@ recurrence has none (vs an fp64 recurrence: 1.2e-7). The same effect gives
 dg 6.7e-5 for fp32 softplus gates x30 (g down to ~-2700 per token).
 Measured errors are in each test's comment (interpret mode, jax 0.11.2, CPU).
 """
-import dataclasses
 import functools
 
 import jax
@@ -29,12 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.kda import kda_chunked, kda_recurrent
-from pallas_kernels.kda import bwd, ops
+from pallas_kernels.kda import kda_pallas
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FP32_TOLERANCE, GRAD_NAMES, assert_rms_close,
                                kda_loss_and_grads, make_kda_inputs, rms_ratio)
 
 K, V = 12, 7            # not powers of two, different: padded to 16 and 16
-TILED = dataclasses.replace(ops.UNBOUNDED_OPTIONS, tile_state_bwd=True)
 
 
 def _doc_ids(cuts, T):
@@ -54,9 +47,9 @@ def _cotangents(x):
 
 @functools.partial(jax.jit, static_argnames=("kw",))
 def _pallas_jit(x, seg, do, dht, kw):
-    kw = dict(kw, output_final_state=True, segment_ids=seg, interpret=True)
+    kw = dict(kw, output_final_state=True, segment_ids=seg, interpret=True, backend="triton")
     return kda_loss_and_grads(
-        lambda q, k, v, g, b, h0: ops.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht)
+        lambda q, k, v, g, b, h0: kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht)
 
 
 @jax.jit
@@ -145,55 +138,14 @@ def test_single_huge_gate_fp32():
     assert rms_ratio(o_chunked, out[0]) <= 1e-5
 
 
-def _bf16_case():
-    """bf16 inputs (1, 130, 1, K, 33) with one gate g = -1e4 at token 70 and segment ids with
-    length-1 documents at the chunk edges (63 / 64, 127 / 128); shared by two tests (one compile)."""
-    T = 130
-    x = _inputs(3, 1, T, 1, Vx=33, dtype=jnp.bfloat16, gate_scale=0.05)
-    x["g"] = x["g"].at[:, 70].set(-1e4)
-    return x, _doc_ids([0, 63, 64, 65, 127, 128, 129, T], T)
-
-
 def test_unbounded_bf16_huge_gate_and_documents():
-    # bf16 (_bf16_case): T = 130 (3 chunks, the last padded), V = 33, one gate g = -1e4 at token
+    # bf16: T = 130 (3 chunks, the last padded), V = 33, one gate g = -1e4 at token
     # 70 (mid-tile of chunk 1), length-1 documents at the chunk edges, one serial state pass
     # (sequence_split=None leaves this shape unsplit). Measured: o 4.5e-3 (tol 5e-3; bf16 o at
     # these shapes measured 3.1e-3 .. 4.5e-3 with or without the huge gate), ht 1.6e-3, dq, dk, dv,
     # dbeta, dh0 4.0e-3 .. 4.7e-3 (tol 8e-3), dg 8.8e-3 (tol 2e-2).
-    x, seg = _bf16_case()
-    _assert_close(_recurrent(x, seg), _pallas(x, seg, lower_bound=None, options=ops.UNBOUNDED_OPTIONS),
-                  _tolerance(jnp.bfloat16))
-
-
-def test_tile_state_bwd_padded_v_with_documents():
-    # tile_state_bwd, fp32, unbounded gates, V = 100 (padded to 128: 2 blocks of STATE_BLOCK_V = 64,
-    # the second one 28 real and 36 padding columns), packed documents (length 1 at 15 and 64),
-    # against the recurrence (FP32_TOLERANCE) and against the same options without tiling (o, ht,
-    # dv, dh0 bit-identical: forward and state pass untouched, dv written per block; the rest fp32
-    # rounding). Measured vs recurrence <= 1.4e-6; vs untiled dq, dk, dg, dbeta <= 1e-6.
-    T, Vx = 130, 100
-    assert -(-Vx // bwd.STATE_BLOCK_V) == 2 and Vx % bwd.STATE_BLOCK_V
-    x = _inputs(5, 1, T, 1, Vx=Vx, gate_scale=0.2)
-    seg = _doc_ids([0, 15, 16, 64, 65, 100, T], T)
-    tiled = _pallas(x, seg, lower_bound=None, options=TILED)
-    _assert_close(_recurrent(x, seg), tiled, _tolerance(jnp.float32))
-    whole = _pallas(x, seg, lower_bound=None, options=ops.UNBOUNDED_OPTIONS)
-    for a, b in ((whole[0], tiled[0]), (whole[1], tiled[1]), (whole[2]["dv"], tiled[2]["dv"]),
-                 (whole[2]["dh0"], tiled[2]["dh0"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for name in GRAD_NAMES:
-        assert_rms_close(f"tiled vs whole {name}", whole[2][name], tiled[2][name], 1e-5)
-
-
-def test_tile_state_bwd_v_below_the_block_bf16():
-    # tile_state_bwd with V = 33 (padded to 64 = STATE_BLOCK_V: one block, the whole state), bf16,
-    # unbounded gates, packed documents (_bf16_case; the untiled run is
-    # test_unbounded_bf16_huge_gate_and_documents', compiled once): the tiled kernel a runs the
-    # same dots as the whole-state one, so every output is bit-identical to UNBOUNDED_OPTIONS
-    # (measured; also at V = 7 -> 16, fp32), hence as close to the recurrence as the untiled run.
-    x, seg = _bf16_case()
-    tiled = _pallas(x, seg, lower_bound=None, options=TILED)
-    whole = _pallas(x, seg, lower_bound=None, options=ops.UNBOUNDED_OPTIONS)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(tiled)):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-    assert float(jnp.max(jnp.abs(tiled[2]["dv"].astype(jnp.float32)))) > 0
+    T = 130
+    x = _inputs(3, 1, T, 1, Vx=33, dtype=jnp.bfloat16, gate_scale=0.05)
+    x["g"] = x["g"].at[:, 70].set(-1e4)
+    seg = _doc_ids([0, 63, 64, 65, 127, 128, 129, T], T)
+    _assert_close(_recurrent(x, seg), _pallas(x, seg, lower_bound=None), _tolerance(jnp.bfloat16))

@@ -88,7 +88,7 @@ def _pallas_covers(q, k, v, g, beta, *, lower_bound, segment_ids, chunk_size, in
         return False
     if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         return False
-    from pallas_kernels.kda import ops as pallas_kda
+    import pallas_kernels.kda as pallas_kda
     ok, _ = pallas_kda.supported(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,
                                  use_qk_l2norm=False, chunk_size=chunk_size, initial_state=initial_state,
                                  interpret=False)
@@ -131,10 +131,10 @@ def kda(
       chunk_size: chunk length for "chunked" (power of two >= 16).
       implementation: None = "pallas" where its GPU tests cover the call (compiled, i.e.
         interpret=False, on a CUDA device of compute capability 9.0 — the tests ran on an H200 —
-        and `pallas_kernels.kda.ops.supported` true: bounded or unbounded gates, segment_ids,
+        and `pallas_kernels.kda.supported` true: bounded or unbounded gates, segment_ids,
         states), else "chunked" (fail-closed: never a call the kernel was not tested for);
         "recurrent" (the fp32 oracle, O(T) sequential steps), "chunked" (XLA chunk form) or
-        "pallas" (pallas_kernels.kda.ops.kda_pallas, with use_qk_l2norm done by XLA before it; an
+        "pallas" (pallas_kernels.kda.kda_pallas, backend "auto", with use_qk_l2norm done by XLA before it; an
         explicit request it does not cover, e.g. chunk_size=32, raises).
       interpret: run the Pallas kernel in interpret mode (CPU); with implementation=None it keeps
         the dispatch off the kernel; ignored by "recurrent" and "chunked".
@@ -164,7 +164,7 @@ def kda(
         implementation = "pallas"
     if implementation == "pallas":
         # Unsupported explicit requests raise with the kernel's reason.
-        from pallas_kernels.kda import ops as pallas_kda
+        import pallas_kernels.kda as pallas_kda
         if use_qk_l2norm:  # in XLA before the kernel: fp32 norms (as the chunked op), then q's / k's dtype
             q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
         ok, why = pallas_kda.supported(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,

@@ -11,9 +11,9 @@ cumsum of the previous tiles), so for a row i of tile b and a column j:
 For columns in earlier tiles both factors have exponents <= 0 (the per-row-block anchor): one fp32 GEMM
 per row tile, never overflows. For the diagonal tile exp(a_b - G_j) >= 1 grows with the tile:
 - `lower_bound` declared (every g >= lower_bound >= -5): a tile spans at most 16 * 5 = 80 nats, so the
-  tile is ONE dense matmul (Q*e^(G-a+h))(K*e^(a-G-h))^T with bf16 operands (for 16-bit inputs; fp32
-  operands for fp32 inputs) and fp32 accumulation, masked with a select. The constant h = 40
-  (`centre_shift`) centres both factors' exponents in [-40, 40]: uncentred, the backward forms
+  tile is ONE dense matmul (Q*e^(G-a) 2^s)(K*e^(a-G) 2^-s)^T with bf16 operands (for 16-bit inputs;
+  fp32 operands for fp32 inputs) and fp32 accumulation, masked with a select. The exact power of two
+  2^s = 2^58 ~ e^40 (`centre_exponent`) centres both factors in e^(+-40): uncentred, the backward forms
   (cotangent * e^-80), which backends without fp32 denormals (XLA:CPU, TPU) flush to zero for
   cotangents below ~1e-3, and (cotangent * e^80), which overflows above ~1e3;
 - no bound: the exact pairwise form sum_c q_ic k_jc exp(G_ic - G_jc) on the masked (j <= i) entries,
@@ -66,19 +66,19 @@ def validate_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a power of two >= {TILE}; got {chunk_size=}")
 
 
-def centre_shift(lower_bound: float, tile: int = TILE) -> float:
-    """h = tile |lower_bound| / 2 (40 nats for -5): the bounded diagonal tile's factors are
-    (a e^(G - anchor + h)) and (k e^(anchor - G - h)), so both exponents lie in [-h, h] instead of
-    [-2h, 0] and [0, 2h]. h is a constant (no gate enters it), so the anchor stays causal.
+def centre_exponent(lower_bound: float, tile: int = TILE) -> int:
+    """s = round(tile |lower_bound| / (2 ln 2)) (58 for -5: 2^58 ~ e^40): the bounded diagonal tile's
+    factors are (a e^(G - anchor)) 2^s and (k e^(anchor - G)) 2^-s, so both lie in e^(+-40) instead of
+    [e^-80, 1] and [1, e^80]. A power of two, so the scaling is exact (an additive shift of the exp
+    argument would round it to ulp(40) ~ 4e-6), and a constant, so the anchor stays causal.
 
-    Why: with the uncentred split a tile's row factor reaches e^-80 and its column factor e^80; the
-    backward then forms (cotangent x e^-80) before multiplying by e^80, which is below fp32's normal
-    range (1.2e-38) for cotangents under ~1e-3 and is flushed to zero on backends without denormals
-    (XLA:CPU, TPU), and (cotangent x e^80) overflows for cotangents above ~1e3. Centred, every
-    product of a cotangent or input entry x with a factor stays in |x| e^(+-40): exact for |x|
+    Why: uncentred, the backward forms (cotangent x e^-80) before multiplying by e^80, which is below
+    fp32's normal range (1.2e-38) for cotangents under ~1e-3 and is flushed to zero on backends
+    without denormals (XLA:CPU, TPU), and (cotangent x e^80) overflows above ~1e3. Centred, every
+    product of a cotangent or input entry x with a factor stays within |x| e^(+-40): exact for |x|
     (times |q|, |k|) between ~3e-21 and ~1e20.
     """
-    return 0.5 * tile * abs(float(lower_bound))
+    return round(0.5 * tile * abs(float(lower_bound)) / float(np.log(2.0)))
 
 
 def _tile_operand_dtype(dtype) -> jnp.dtype:
@@ -94,31 +94,40 @@ def _masked_exp(x, mask):
     return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _tile_gemm(a, b, tile_dtype):
-    """sum_k a_ik b_jk per diagonal tile as ONE GEMM with `tile_dtype` (bf16) operands, fp32 accumulation.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _diag_tile(a, b, Gl, s, tile_dtype):
+    """sum_c a_ic b_jc e^(Gl_ic - Gl_jc) per diagonal tile as ONE GEMM with `tile_dtype` (bf16) operands
+    (a e^Gl 2^s)(b e^-Gl 2^-s)^T and fp32 accumulation; entries j > i are finite and unused.
 
-    The backward is computed from the fp32 operands at HIGHEST precision: differentiating through the
-    bf16 rounding of factors as large as e^80 puts ~5% RMS error into dg (measured on the ANCHORS input
-    recipe: 5.0e-2 vs the fp32 recurrence, above fla's 0.02). fla 0.6 moved the same backward tiles to
-    bf16x3 for the same reason. a, b: fp32 (or fp64) [..., nt, tile, K] -> a.dtype [..., nt, tile, tile].
+    a, b: fp32 (or fp64) [..., nt, tile, K]; Gl [..., nt, tile, K]: G minus the tile's causal anchor
+    (<= 0, >= 16 lower_bound); s: centre_exponent. Returns a.dtype [..., nt, tile, tile].
+    The backward is explicit so that every intermediate stays within e^(+-40) of its inputs
+    (centre_exponent): da = (dS (b e^-Gl 2^-s)) e^Gl 2^s, db = (dS^T (a e^Gl 2^s)) e^-Gl 2^-s,
+    dGl = a da - b db, from the fp32 operands at HIGHEST precision (differentiating through the bf16
+    rounding of the factors put ~5% RMS error into dg; fla 0.6 moved these tiles to bf16x3).
     """
-    return jnp.einsum("...bik,...bjk->...bij", a.astype(tile_dtype), b.astype(tile_dtype),
+    ea, eb = _centred_factors(Gl, s)
+    return jnp.einsum("...bik,...bjk->...bij", (a * ea).astype(tile_dtype), (b * eb).astype(tile_dtype),
                       preferred_element_type=a.dtype)
 
 
-def _tile_gemm_fwd(a, b, tile_dtype):
-    return _tile_gemm(a, b, tile_dtype), (a, b)
+def _centred_factors(Gl, s):
+    return jnp.exp(Gl) * (2.0 ** s), jnp.exp(-Gl) * (2.0 ** -s)
 
 
-def _tile_gemm_bwd(tile_dtype, res, d):
-    a, b = res
-    da = jnp.einsum("...bij,...bjk->...bik", d, b, precision=_HI)
-    db = jnp.einsum("...bij,...bik->...bjk", d, a, precision=_HI)
-    return da.astype(a.dtype), db.astype(b.dtype)
+def _diag_tile_fwd(a, b, Gl, s, tile_dtype):
+    return _diag_tile(a, b, Gl, s, tile_dtype), (a, b, Gl)
 
 
-_tile_gemm.defvjp(_tile_gemm_fwd, _tile_gemm_bwd)
+def _diag_tile_bwd(s, tile_dtype, res, d):
+    a, b, Gl = res
+    ea, eb = _centred_factors(Gl, s)
+    da = jnp.einsum("...bij,...bjk->...bik", d, b * eb, precision=_HI) * ea
+    db = jnp.einsum("...bij,...bik->...bjk", d, a * ea, precision=_HI) * eb
+    return da, db, a * da - b * db
+
+
+_diag_tile.defvjp(_diag_tile_fwd, _diag_tile_bwd)
 
 
 def _chunk_scores(a, k, G, *, lower_bound, tile_dtype, include_diag: bool, tile: int = TILE):
@@ -148,11 +157,9 @@ def _chunk_scores(a, k, G, *, lower_bound, tile_dtype, include_diag: bool, tile:
     ti = jnp.arange(tile)
     tri = (ti[None, :] <= ti[:, None]) if include_diag else (ti[None, :] < ti[:, None])  # [i, j]
     if lower_bound is not None:
-        # ONE dense GEMM per diagonal tile, its two factors centred: exponents in +-h (see centre_shift).
-        h = centre_shift(lower_bound, tile) if tile == TILE else 0.0
-        a_diag = at * jnp.exp(Gt - anchor[..., None, :] + h)
-        k_diag = kt * jnp.exp(anchor[..., None, :] - Gt - h)
-        diag = jnp.where(tri, _tile_gemm(a_diag, k_diag, jnp.dtype(tile_dtype)), 0.0)
+        # ONE dense GEMM per diagonal tile, its two factors centred by 2^(+-s) (centre_exponent).
+        s = centre_exponent(lower_bound, tile) if tile == TILE else 0
+        diag = jnp.where(tri, _diag_tile(at, kt, Gt - anchor[..., None, :], s, jnp.dtype(tile_dtype)), 0.0)
     else:
         # Exact pairwise exponents on the kept entries only: exp(G_i - G_j) with G_i - G_j <= 0.
         pair = _masked_exp(Gt[..., :, None, :] - Gt[..., None, :, :], tri[:, :, None])   # [.., nt, i, j, K]

@@ -1,19 +1,19 @@
-"""Exact sequence split of the serial KDA state passes (issue 7's lever): segments run in parallel.
+"""Exact sequence split of the serial KDA state passes: segments run in parallel (portable Pallas).
 
-Per chunk c the transposed state St [V, K] (fp32) evolves affinely (fwd.py notation):
+Per chunk c the transposed state St [V, K] (fp32) evolves affinely (triton/state_fwd.py notation):
   St_{c+1} = St_c * e^{G_last} + (U - W St_c^T)^T Kd = St_c M_c + U^T Kd,
   M_c = Diag(e^{G_last}) - W^T Kd  [K, K],
-and the reverse pass (bwd.py) likewise: dSt_c = dSt_{c+1} N_c + (Qg^T dO - W^T Aqk^T dO)^T-terms,
+and the reverse pass (triton/state_bwd.py) likewise: dSt_c = dSt_{c+1} N_c + (Qg^T dO - W^T Aqk^T dO)^T-terms,
 N_c = Diag(e^{G_last}) - Kd^T W. For a segment of L chunks:
   St_end = St_start P + R,  P = M_{c0} ... M_{c0+L-1},  R = the segment's pass from a zero state;
   dSt_start = dSt_end Q + Z,  Q = N_{c0+L-1} ... N_{c0},  Z = its reverse pass from a zero gradient.
 P (Q) is the same pass started from the identity with U = 0 (dO = 0): `transitions_fwd` /
 `transitions_bwd` run R and P (Z and Q) as one pass over an augmented state of V + K rows, in
 parallel over (batch, head, segment, row block). `segment_scan` then carries the true states across
-the NS segments (NS steps of one [V, K] x [K, K] dot), and fwd.state_fwd / bwd.state_bwd rerun each
+the NS segments (NS steps of one [V, K] x [K, K] dot), and the state passes (either backend) rerun each
 segment from its true start state, again in parallel over segments. Work: about 3x the serial pass,
 in T / (64 L) times fewer serial steps. The result equals the serial pass up to rounding (the
-products P, Q are rounded at the precision passed in; ops.py passes common.exact_precision).
+products P, Q at the exact precision of triton/common.precisions).
 
 Source: the linear-recurrence scan of chunked linear attention (e.g. the chunk-level parallel scan
 of "Gated Linear Attention", Yang et al. 2024, sec. 3); for the delta rule the per-chunk transition
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import common as cm
-from pallas_kernels.kda.common import F32
+from pallas_kernels.kda.triton import common as cm
+from pallas_kernels.kda.triton.common import F32
 
 
 def _start_rows(shape, is_z, first_col):
@@ -57,7 +57,7 @@ def _transition_fwd_kernel(kd_ref, w_ref, u_ref, gl_ref, out_ref, *, chunk_size,
 
 
 def transitions_fwd(kd, w, u, gl, *, chunk_size: int, seg_chunks: int, block_v: int,
-                    interpret: bool, precision=None):
+                    interpret: bool, precision=None, num_warps: int = 4):
     """Per-segment forward transition P and zero-start state R.
 
     Args: intra_fwd outputs kd, w [B, H, T, K], u [B, H, T, V], gl [B, H, NT, K]; seg_chunks L
@@ -79,7 +79,7 @@ def transitions_fwd(kd, w, u, gl, *, chunk_size: int, seg_chunks: int, block_v: 
         grid=(B, H, NS, n_z + K // BR),
         in_specs=[sk, sk, su, sg], out_specs=so,
         out_shape=jax.ShapeDtypeStruct((B, H, NS, V + K, K), F32),
-        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_transitions_fwd",
+        interpret=interpret, compiler_params=cm.compiler_params(num_warps), name="kda_split_transitions_fwd",
     )(kd, w, u, gl)
     return out[:, :, :, V:], out[:, :, :, :V]
 
@@ -107,7 +107,7 @@ def _transition_bwd_kernel(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, out_r
 
 
 def transitions_bwd(qg, kd, w, aqk, gl, do, *, chunk_size: int, seg_chunks: int, block_v: int,
-                    interpret: bool, precision=None):
+                    interpret: bool, precision=None, num_warps: int = 4):
     """Per-segment reverse transition Q and zero-start state gradient Z.
 
     Args: intra_fwd outputs qg, kd, w [B, H, T, K], aqk [B, H, T, C], gl [B, H, NT, K];
@@ -130,7 +130,7 @@ def transitions_bwd(qg, kd, w, aqk, gl, do, *, chunk_size: int, seg_chunks: int,
         grid=(B, H, NS, n_z + K // BR),
         in_specs=[sk, sk, sk, sa, sg, sd], out_specs=so,
         out_shape=jax.ShapeDtypeStruct((B, H, NS, V + K, K), F32),
-        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_transitions_bwd",
+        interpret=interpret, compiler_params=cm.compiler_params(num_warps), name="kda_split_transitions_bwd",
     )(qg, kd, w, aqk, gl, do)
     return out[:, :, :, V:], out[:, :, :, :V]
 
@@ -146,7 +146,7 @@ def _scan_kernel(x0_ref, p_ref, r_ref, starts_ref, final_ref, *, reverse, precis
     final_ref[...] = lax.fori_loop(0, NS, body, x0_ref[...].astype(F32))
 
 
-def segment_scan(x0, P, R, *, reverse: bool, block_v: int, interpret: bool, precision=None):
+def segment_scan(x0, P, R, *, reverse: bool, block_v: int, interpret: bool, precision=None, num_warps: int = 4):
     """Carry the true state across segments: x_{s+1} = x_s P_s + R_s (reverse: from the last).
 
     Args: x0 [B, H, V, K] fp32 (initial state, or the final-state gradient when reverse);
@@ -165,5 +165,5 @@ def segment_scan(x0, P, R, *, reverse: bool, block_v: int, interpret: bool, prec
         grid=(B, H, V // BV),
         in_specs=[xs, ps, rs], out_specs=[rs, xs],
         out_shape=[jax.ShapeDtypeStruct((B, H, NS, V, K), F32), jax.ShapeDtypeStruct((B, H, V, K), F32)],
-        interpret=interpret, compiler_params=cm.STATE_PARAMS, name="kda_segment_scan",
+        interpret=interpret, compiler_params=cm.compiler_params(num_warps), name="kda_split_scan",
     )(x0, P, R)

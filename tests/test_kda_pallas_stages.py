@@ -1,0 +1,295 @@
+"""The KDA kernel stages one by one: each Mosaic GPU stage against the Triton stage it stands in for.
+
+On the same random inputs of the layouts api.py passes, in interpret mode on CPU (CI): every output
+within fp32-summation-order rounding of the Triton kernel (same bf16 operand rounding); the
+interpreter's SMEM race detector over each Mosaic GPU kernel; bad input refused; each kernel lowered
+for CUDA. The Triton cumsum against XLA's. `TestStagesGPU` (marker gpu) compares the compiled kernels
+at benchmark shapes on the H200. Through the op, every stage is held to the recurrence in
+tests/test_kda_pallas.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda import mosaic_gpu as mgpu
+from pallas_kernels.kda import triton
+from pallas_kernels.kda.plan import centre_exponent
+from tests.kda_testing import assert_rms_close
+
+BF = jnp.bfloat16
+CENTRE = centre_exponent(-5.0)
+
+
+def no_races(fn, *args, **kw):
+    """The interpreter's race detector over one run of fn (it supports one block in the grid)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc   # private API
+    jax.block_until_ready(fn(*args, interpret=plgpu.InterpretGPUParams(detect_races=True), **kw))
+    return not ipc.get_races().races_found
+
+
+def compare(name, out, ref, tol):
+    """Each output of `out` against `ref` (same shapes and dtypes), RMS ratio <= tol; returns the ratios."""
+    errs = {}
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+        if r is None:
+            assert o is None
+            continue
+        assert o.shape == r.shape and o.dtype == r.dtype, (name, i, o.shape, r.shape, o.dtype, r.dtype)
+        assert float(jnp.max(jnp.abs(r.astype(jnp.float32)))) > 0, (name, i)       # not vacuous
+        errs[i] = assert_rms_close(f"{name}[{i}]", r, o, tol)
+    return errs
+
+
+def intra_inputs(B, T, H, K, V, seed=0):
+    """q, k, v (bf16), G (fp32), beta (bf16), token-major; G the chunk cumsum of g = -5 sigmoid(N(0, 1))
+    on the first half of the channels (strong decays: the diagonal tiles span up to 80 nats) and 0.02x
+    that on the second (so that e^{G_last} and the state terms are not all zero)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    g = -5 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K))) * jnp.where(jnp.arange(K) < K // 2, 1.0, 0.02)
+    G = jnp.cumsum(g.reshape(B, T // 64, 64, H, K), axis=2).reshape(B, T, H, K)
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    return (jax.random.normal(ks[0], (B, T, H, K)).astype(BF), (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(BF),
+            jax.random.normal(ks[2], (B, T, H, V)).astype(BF), G, jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(BF))
+
+
+def state_inputs(B, H, T, K, V, seed=0, scale=0.08, segments=None):
+    """kd, w (bf16), u (fp32), gl = e^{G_last}, h0 (transposed, per segment with segments): the
+    serial passes' inputs. kd, w at 0.08 N(0, 1) keep S of order 10 over 64 chunks."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    kd = (scale * jax.random.normal(ks[0], (B, H, T, K))).astype(BF)
+    w = (scale * jax.random.normal(ks[1], (B, H, T, K))).astype(BF)
+    u = jax.random.normal(ks[2], (B, H, T, V))
+    gl = jnp.exp(-jax.random.uniform(ks[3], (B, H, T // 64, K)))
+    h0 = jax.random.normal(ks[4], (B, H, V, K) if segments is None else (B, H, segments, V, K))
+    return kd, w, u, gl, h0
+
+
+def output_inputs(B, H, T, K, seed=9):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    qg = (0.08 * jax.random.normal(ks[0], (B, H, T, K))).astype(BF)
+    aqk = jnp.tril(0.1 * jax.random.normal(ks[1], (B, H, T // 64, 64, 64))).reshape(B, H, T, 64).astype(BF)
+    return qg, aqk
+
+
+def state_bwd_inputs(B, H, T, K, V, seed=0, segments=None):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    bf = lambda i: (0.08 * jax.random.normal(ks[i], (B, H, T, K))).astype(BF)  # noqa: E731
+    aqk = jnp.tril(0.1 * jax.random.normal(ks[3], (B, H, T // 64, 64, 64))).reshape(B, H, T, 64).astype(BF)
+    return (bf(0), bf(1), bf(2), aqk, jnp.exp(-jax.random.uniform(ks[4], (B, H, T // 64, K))),
+            jax.random.normal(ks[5], (B, T, H, V)).astype(BF),
+            jax.random.normal(ks[6], (B, H, V, K) if segments is None else (B, H, segments, V, K)))
+
+
+def solve_bwd_inputs(B, T, H, K, V, seed=0):
+    """solve_bwd's inputs with the op's dtypes: A unit lower-triangular, M strictly lower per chunk."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 13)
+    n = lambda i, shape, s=1.0: s * jax.random.normal(ks[i], shape)   # noqa: E731
+    NT = T // 64
+    q, k, v, G, beta = intra_inputs(B, T, H, K, V, seed)
+    tri = lambda i: jnp.tril(n(i, (B, H, NT, 64, 64), 0.2), -1)      # noqa: E731
+    return (q, k, v, G, beta, n(5, (B, T, H, V)).astype(BF), n(6, (B, H, T, V)),
+            n(7, (B, H, NT, V, K)).astype(BF), n(8, (B, H, NT, V, K)).astype(BF),
+            n(9, (B, H, T, K), 0.1).astype(BF), n(10, (B, H, T, V)),
+            (tri(11) + jnp.eye(64)).reshape(B, H, T, 64), tri(12).reshape(B, H, T, 64))
+
+
+# ------------------------------------------------------------------------------ the stage pairs
+def intra_fwd_pair(args, interpret, save_solve=True):
+    scale = args[0].shape[-1] ** -0.5
+    out = jax.jit(lambda *a: mgpu.intra_fwd(*a, scale=scale, centre=CENTRE, save_solve=save_solve,
+                                            interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: triton.intra_fwd(*a, scale=scale, centre=CENTRE, unbounded=False, save_solve=True,
+                                              interpret=interpret))(*args)
+    ref = ref[:6] + (ref[6:] if save_solve else ())          # Triton: qg, kd, w, u, aqk, gl, A, M
+    return out, ref
+
+
+def state_fwd_pair(args, qg, aqk, interpret, write_states=True):
+    o, h, ht = jax.jit(lambda *a: mgpu.state_fwd(*a, write_states=write_states, interpret=interpret))(*args, qg, aqk)
+
+    def tri(kd, w, u, gl, h0, qg, aqk):
+        vp, h, ht = triton.state_fwd(kd, w, u, gl, h0, state_dtype=BF, interpret=interpret)
+        return triton.output_fwd(qg, aqk, vp, h, out_dtype=BF, interpret=interpret), h, ht
+    ref = jax.jit(tri)(*args, qg, aqk)
+    return (o, h, ht), (ref[0], ref[1] if write_states else None, ref[2])
+
+
+def state_bwd_pair(args, interpret):
+    out = jax.jit(lambda *a: mgpu.state_bwd(*a, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: triton.state_bwd(*a, state_dtype=BF, interpret=interpret))(*args)
+    return out, ref
+
+
+def solve_bwd_pair(args, interpret):
+    scale = args[0].shape[-1] ** -0.5
+    out = jax.jit(lambda *a: mgpu.solve_bwd(*a, scale=scale, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: triton.solve_bwd(*a, scale=scale, interpret=interpret))(*args)
+    return out, ref
+
+
+class TestTritonCumsum:
+
+    @pytest.mark.parametrize("reverse", [False, True])
+    def test_matches_xla(self, reverse):
+        x = jax.random.normal(jax.random.PRNGKey(0), (2, 192, 3, 32))
+        want = jax.lax.cumsum(x.reshape(2, 3, 64, 3, 32), axis=2, reverse=reverse).reshape(x.shape)
+        got = triton.chunk_cumsum(x, 64, reverse=reverse, interpret=True)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+    def test_bf16_input_and_bad_input(self):
+        x = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 1, 16)).astype(BF)
+        np.testing.assert_allclose(triton.chunk_cumsum(x, 64, interpret=True),
+                                   jnp.cumsum(x.astype(jnp.float32), axis=1), rtol=1e-6, atol=1e-5)
+        with pytest.raises(ValueError, match="chunk_size"):
+            triton.chunk_cumsum(x[:, :48], 64, interpret=True)
+        with pytest.raises(ValueError, match="B, T, H, K"):
+            triton.chunk_cumsum(x[0], 64, interpret=True)
+
+
+class TestMosaicGPUStages:
+    """Mosaic GPU interpret mode on CPU, against the Triton stages (interpret)."""
+
+    @pytest.mark.parametrize("shape", [(1, 128, 2, 128, 128), (2, 128, 1, 64, 128)])
+    def test_intra_fwd(self, shape):
+        # The same products with the same bf16 operand rounding (W stored bf16 by both); measured:
+        # qg, kd, gl identical, the rest <= 1e-6 (fp32 summation order).
+        for save_solve in (True, False):
+            out, ref = intra_fwd_pair(intra_inputs(*shape), True, save_solve)
+            assert len(out) == (8 if save_solve else 6)
+            compare(f"intra_fwd {shape} save_solve={save_solve}", out, ref, 1e-5)
+
+    @pytest.mark.parametrize("B, H, T, K, V, segments, write_states, tol", [
+        (1, 2, 192, 128, 128, None, True, 1e-3), (2, 1, 128, 64, 128, None, False, 1e-5),
+        (1, 1, 256, 128, 64, 2, True, 1e-5)])
+    def test_state_fwd(self, B, H, T, K, V, segments, write_states, tol):
+        # Same math and operand rounding; only the fp32 accumulation order differs, which can flip a
+        # bf16 rounding of S (one ulp) that then carries on (1e-5 .. 4e-5 at 3 chunks of K = V = 128).
+        # Two segments of two chunks: the sequence split's per-segment starts.
+        args = state_inputs(B, H, T, K, V, segments=segments)
+        out, ref = state_fwd_pair(args, *output_inputs(B, H, T, K), True, write_states)
+        compare(f"state_fwd {(B, H, T, K, V)}", out, ref, tol)
+
+    def test_state_fwd_is_the_recurrence(self):
+        # Against the recurrence written out with S [K, V] (the kernel holds and stores S^T), chunk by
+        # chunk: h_c = bf16(S_c)^T, V'_c = U_c - W_c bf16(S_c), S_{c+1} = gl_c S_c + Kd_c^T bf16(V'_c);
+        # o_c = Qg_c bf16(S_c) + Aqk_c bf16(V'_c).
+        kd, w, u, gl, h0 = state_inputs(1, 1, 192, 64, 64, seed=3)
+        qg, aqk = output_inputs(1, 1, 192, 64)
+        o, h, ht = mgpu.state_fwd(kd, w, u, gl, h0, qg, aqk, interpret=True)
+        S = h0[0, 0].T
+        f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+        dot = lambda a, b: jnp.dot(a.astype(BF), b.astype(BF), preferred_element_type=jnp.float32)  # noqa: E731
+        for c in range(3):
+            rows = slice(64 * c, 64 * (c + 1))
+            np.testing.assert_allclose(f32(h[0, 0, c].T), f32(S.astype(BF)), rtol=1e-2, atol=1e-2)   # 1 bf16 ulp
+            vp = u[0, 0, rows] - dot(w[0, 0, rows], S)
+            np.testing.assert_allclose(f32(o[0, rows, 0]), f32(dot(qg[0, 0, rows], S) + dot(aqk[0, 0, rows], vp)),
+                                       rtol=2e-2, atol=2e-2)
+            S = gl[0, 0, c][:, None] * S + dot(kd[0, 0, rows].T, vp)
+        np.testing.assert_allclose(f32(ht[0, 0].T), f32(S), rtol=1e-4, atol=1e-4)
+
+    @pytest.mark.parametrize("B, H, T, K, V, segments, tol", [(1, 2, 192, 128, 128, None, 1e-3),
+                                                              (2, 1, 128, 64, 64, None, 1e-5),
+                                                              (1, 1, 256, 128, 64, 2, 1e-5)])
+    def test_state_bwd(self, B, H, T, K, V, segments, tol):
+        out, ref = state_bwd_pair(state_bwd_inputs(B, H, T, K, V, segments=segments), True)
+        compare(f"state_bwd {(B, H, T, K, V)}", out, ref, tol)
+
+    @pytest.mark.parametrize("B, T, H, K, V", [(1, 128, 2, 128, 128), (2, 64, 1, 64, 128), (1, 128, 1, 128, 64)])
+    def test_solve_bwd(self, B, T, H, K, V):
+        # Same bf16 operands (the two dL products split-bf16 as the Triton bf16x3 dots). Measured:
+        # dv, dq identical, the rest <= 2e-5 (fp32 summation order).
+        out, ref = solve_bwd_pair(solve_bwd_inputs(B, T, H, K, V), True)
+        compare(f"solve_bwd {(B, T, H, K, V)}", out, ref, 1e-4)
+
+    def test_no_smem_races(self):
+        # Every read of a TMA-loaded buffer is fenced before the load that refills it (the serial
+        # passes: four chunks, both buffers reused), the RefUnion groups and the solve's buffers in
+        # the intra kernels. wgmma reads against later writes rest on review and the compiled GPU
+        # tests (the interpreter runs wgmma synchronously).
+        args = state_inputs(1, 1, 256, 128, 64)
+        assert no_races(mgpu.state_fwd, *args, *output_inputs(1, 1, 256, 128))
+        assert no_races(mgpu.state_bwd, *state_bwd_inputs(1, 1, 256, 128, 64))
+        assert no_races(mgpu.intra_fwd, *intra_inputs(1, 64, 1, 128, 128), scale=0.1, centre=CENTRE, save_solve=True)
+        assert no_races(mgpu.solve_bwd, *solve_bwd_inputs(1, 64, 1, 128, 128), scale=0.1)
+
+    def test_bad_input_raises(self):
+        q, k, v, G, beta = intra_inputs(1, 64, 1, 64, 64)
+        run = lambda *a: mgpu.intra_fwd(*a, scale=0.1, centre=CENTRE, interpret=True)   # noqa: E731
+        for args, match in [((q.astype(jnp.float32), k, v, G, beta), "must be bfloat16"),
+                            ((q, k, v, G.astype(BF), beta), "G must be fp32"),
+                            ((q, k, v, G, beta.astype(jnp.int32)), "beta must be a float"),
+                            ((q, k, v[..., :32], G, beta), "v must be bf16"),
+                            ((q, k, v, G, beta[:, :32]), "shapes do not match"),
+                            ((q[:, :32], k[:, :32], v[:, :32], G[:, :32], beta[:, :32]), "multiple of 64")]:
+            with pytest.raises(ValueError, match=match):
+                run(*args)
+        kd, w, u, gl, h0 = state_inputs(1, 1, 128, 64, 64)
+        qg, aqk = output_inputs(1, 1, 128, 64)
+        with pytest.raises(ValueError, match="must be bfloat16"):
+            mgpu.state_fwd(kd, w.astype(jnp.float32), u, gl, h0, qg, aqk, interpret=True)
+        with pytest.raises(ValueError, match="aqk"):
+            mgpu.state_fwd(kd, w, u, gl, h0, qg, aqk[..., :32], interpret=True)
+        with pytest.raises(ValueError, match="segment count"):
+            mgpu.state_fwd(kd, w, u, gl, jnp.zeros((1, 1, 3, 64, 64)), qg, aqk, interpret=True)
+        bw = list(state_bwd_inputs(1, 1, 128, 64, 64))
+        bw[5] = bw[5].astype(jnp.float32)
+        with pytest.raises(ValueError, match="must be bfloat16"):
+            mgpu.state_bwd(*bw, interpret=True)
+        sb = list(solve_bwd_inputs(1, 64, 1, 64, 64))
+        sb[9] = sb[9].astype(jnp.float32)
+        with pytest.raises(ValueError, match="must be bfloat16"):
+            mgpu.solve_bwd(*sb, scale=0.1, interpret=True)
+
+    @pytest.mark.parametrize("K", [64, 128])
+    def test_lowers_for_cuda(self, K):
+        # Lowering checks the shared-memory limit (227 KiB: intra_fwd 98 KiB, state_fwd 209 KiB,
+        # solve_bwd 224 KiB at K = V = 128) and the layouts; each kernel by its profile name.
+        sd = jax.ShapeDtypeStruct
+        B, H, T, V = 2, 4, 1024, 128
+        f32 = jnp.float32
+
+        def text(fn, *args):
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        tok_k, tok_v = sd((B, T, H, K), BF), sd((B, T, H, V), BF)
+        hm_k, hm_v, hm_c = sd((B, H, T, K), BF), sd((B, H, T, V), f32), sd((B, H, T, 64), BF)
+        gl, h0 = sd((B, H, T // 64, K), f32), sd((B, H, V, K), f32)
+        st = sd((B, H, T // 64, V, K), BF)
+        for save_solve in (False, True):
+            assert "kda_intra_fwd_mgpu" in text(lambda *a: mgpu.intra_fwd(*a, scale=0.1, centre=CENTRE, save_solve=save_solve),
+                                                tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF))
+        for write_states in (False, True):
+            assert "kda_state_fwd_mgpu" in text(lambda *a: mgpu.state_fwd(*a, write_states=write_states),
+                                                hm_k, hm_k, hm_v, gl, h0, hm_k, hm_c)
+        assert "kda_state_bwd_mgpu" in text(mgpu.state_bwd, hm_k, hm_k, hm_k, hm_c, gl, tok_v, h0)
+        assert "kda_intra_bwd_solve_mgpu" in text(
+            lambda *a: mgpu.solve_bwd(*a, scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF),
+            tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32))
+
+
+@pytest.mark.gpu
+class TestStagesGPU:
+    """Compiled on the H200: each Mosaic GPU stage against the compiled Triton stage."""
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (2, 1024, 4, 64, 64)])
+    def test_intra_fwd(self, shape):
+        out, ref = intra_fwd_pair(intra_inputs(*shape), False)
+        print(shape, compare(f"intra_fwd {shape}", out, ref, 1e-3))
+
+    @pytest.mark.parametrize("shape, segments", [((8, 16, 4096, 128, 128), None), ((2, 4, 1024, 64, 128), 4)])
+    def test_state_fwd_and_bwd(self, shape, segments):
+        B, H, T, K, V = shape
+        out, ref = state_fwd_pair(state_inputs(*shape, segments=segments), *output_inputs(B, H, T, K), False)
+        print(shape, compare(f"state_fwd {shape}", out, ref, 2e-3))
+        out, ref = state_bwd_pair(state_bwd_inputs(*shape, segments=segments), False)
+        print(shape, compare(f"state_bwd {shape}", out, ref, 2e-3))
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (2, 1024, 4, 64, 64)])
+    def test_solve_bwd(self, shape):
+        out, ref = solve_bwd_pair(solve_bwd_inputs(*shape), False)
+        print(shape, compare(f"solve_bwd {shape}", out, ref, 1e-3))
