@@ -199,7 +199,8 @@ class KDAImplementationTests:
     input_dtype = jnp.float32       # their input dtype (bf16 for implementations that take only bf16)
 
     def _assert_doc_close(self, out, ref):
-        """out against an fp64 reference: to fp32 rounding for fp32 inputs, fla's o tolerance for bf16."""
+        """out against an fp64 reference: to fp32 rounding for fp32 inputs, fla's o tolerance (RMS
+        ratio over the whole tensor) for bf16."""
         if jnp.dtype(self.input_dtype) == jnp.dtype(jnp.float32):
             np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
         else:
@@ -249,13 +250,15 @@ class KDAImplementationTests:
         o, ht = jax.jit(lambda x, seg: self.run(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
             segment_ids=seg, lower_bound=self._lower_bound(gate)))(x, jnp.asarray(seg))
+        o_ref, ht_ref = np.zeros(o.shape), np.zeros(ht.shape)
         for b, cuts in enumerate(bounds):
             for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):        # each document alone, fp64 loop
                 h0 = x["h0"][b:b + 1] if i == 0 else np.zeros((1, H, K, V))
-                o_doc, ht_doc = numpy_kda(*(x[n][b:b + 1, s:e] for n in ("q", "k", "v", "g", "beta")), h0,
-                                          np.zeros((1, e - s), np.int32), K ** -0.5)
-                self._assert_doc_close(o[b:b + 1, s:e], o_doc)
-            self._assert_doc_close(ht[b:b + 1], ht_doc)
+                o_ref[b:b + 1, s:e], ht_ref[b:b + 1] = numpy_kda(
+                    *(x[n][b:b + 1, s:e] for n in ("q", "k", "v", "g", "beta")), h0, np.zeros((1, e - s), np.int32),
+                    K ** -0.5)
+        self._assert_doc_close(o, o_ref)
+        self._assert_doc_close(ht, ht_ref)
 
     @pytest.mark.parametrize("gate", ["bounded", "softplus"])
     def test_future_gates_do_not_change_past_outputs(self, gate):

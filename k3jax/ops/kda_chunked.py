@@ -107,8 +107,9 @@ def _diag_tile(a, b, Gl, s, tile_dtype):
     rounding of the factors put ~5% RMS error into dg; fla 0.6 moved these tiles to bf16x3).
     """
     ea, eb = _centred_factors(Gl, s)
+    wide = jnp.dtype(tile_dtype).itemsize >= 4          # fp32 operands stay fp32 (no TF32 on GPU)
     return jnp.einsum("...bik,...bjk->...bij", (a * ea).astype(tile_dtype), (b * eb).astype(tile_dtype),
-                      preferred_element_type=a.dtype)
+                      preferred_element_type=a.dtype, precision=_HI if wide else None)
 
 
 def _centred_factors(Gl, s):
