@@ -95,7 +95,7 @@ def test_checkpoint_round_trip(tmp_path):
     def fresh(seed):
         m = LanguageModel(ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16, d_ff=64),
                           rngs=nnx.Rngs(seed))
-        o = nnx.Optimizer(m, make_optimizer(TrainConfig(steps=10)), wrt=nnx.Param)
+        o = nnx.Optimizer(m, make_optimizer(TrainConfig(steps=10, warmup_steps=1)), wrt=nnx.Param)
         it = make_train_loader(np.arange(4000, dtype=np.uint16) % 256, batch_size=2, seq_len=16, seed=3)
         return m, o, it
 
@@ -173,9 +173,9 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
 def test_config_overrides_reach_the_run(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", "from experiments.configs.k3_tiny import get_config; "
-         "from k3jax.train.config import run_config_from_dict; c = get_config(); c.train.steps = 7; "
+         "from k3jax.train.config import run_config_from_dict; c = get_config(); c.train.steps = 77; "
          "print(run_config_from_dict(c).train.steps)"], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "7"
+    assert out.stdout.strip() == "77"
     from experiments.configs.k3_tiny import get_config
     cfg = run_config_from_dict(get_config())
     assert isinstance(cfg, RunConfig) and cfg.data.source == "python-stdlib"
@@ -192,6 +192,42 @@ def test_bad_config_values_raise_naming_the_field(section, field, value):
     c[section][field] = value
     with pytest.raises(ValueError, match=f"{section}.{field}"):
         run_config_from_dict(c)
+
+
+@pytest.mark.parametrize("section,field,value,message", [
+    ("train", "warmup_steps", 401, r"train\.warmup_steps must be <= train\.steps=400"),
+    ("seed", None, -1, r"seed must be an int in \[0, 2\*\*32\)"),
+    ("seed", None, 2**32, r"seed must be an int in \[0, 2\*\*32\)"),
+    ("seed", None, True, r"seed must be an int"),
+    ("data", "source", "text:/nonexistent-k3jax/**/*.txt", r"data\.source: source matches no files"),
+    ("data", "source", "tokens:/nonexistent-k3jax/train.bin", r"data\.source: source must name a folder"),
+])
+def test_config_errors_come_when_the_config_is_built(section, field, value, message):
+    """Issue 23: these passed construction and failed later (the schedule, the loader, the corpus load)."""
+    from experiments.configs.k3_tiny import get_config
+    c = get_config().to_dict()
+    assert c["train"]["steps"] == 400
+    if field is None:
+        c[section] = value
+    else:
+        c[section][field] = value
+    with pytest.raises(ValueError, match=message):
+        run_config_from_dict(c)
+
+
+def test_text_glob_that_matches_files_builds(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("hello")
+    from k3jax.train.config import DataConfig
+    assert DataConfig(source=f"text:{tmp_path}/**/*.txt").source.endswith("*.txt")
+    with pytest.raises(ValueError, match="matches no files"):
+        DataConfig(source=f"text:{tmp_path}/**/*.md")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="val.bin"):
+        DataConfig(source=f"tokens:{tmp_path / 'ds'}")
+    (tmp_path / "ds" / "val.bin").write_bytes(b"\0\0")
+    DataConfig(source=f"tokens:{tmp_path / 'ds'}")
 
 
 def test_unknown_config_field_raises():
