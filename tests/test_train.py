@@ -137,6 +137,33 @@ def test_resume_gives_identical_losses(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ma)), nnx.to_pure_dict(nnx.state(mb)))
 
 
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog):
+    """Issue 23, end to end: step 20's checkpoint truncated -> the rerun resumes from step 10, says so in
+    one line, keeps the damaged folder as 20.corrupt and ends with the losses of an undisturbed run."""
+    import glob
+    import logging
+    cache = tmp_path / "cache"
+    first = train(_cfg(tmp_path / "run", cache), show_progress=False)
+    assert first["step"] == 20
+    before = _losses(tmp_path / "run")
+    ckdir = tmp_path / "run" / "checkpoints"
+    array = max(glob.glob(f"{ckdir}/20/model/ocdbt.process_0/d/*"), key=os.path.getsize)
+    os.truncate(array, os.path.getsize(array) // 2)
+    with caplog.at_level(logging.WARNING, logger="k3jax"):
+        resumed = train(_cfg(tmp_path / "run", cache), show_progress=False)
+    assert resumed["start_step"] == 10 and resumed["step"] == 20
+    lines = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"checkpoint step 20 at {ckdir / '20'} is unreadable (model: ValueError: OUT_OF_RANGE: ")
+    assert lines[0].endswith(f"; moved it aside to {ckdir / '20.corrupt'}; resuming from step 10")
+    assert "OCDBT" in lines[0]
+    assert sorted(os.listdir(ckdir)) == ["10", "20", "20.corrupt"]  # step 20 written again at the end
+    header = json.loads((tmp_path / "run" / "run_header.json").read_text())
+    assert header["resumed_from_step"] == 10
+    assert _losses(tmp_path / "run") == before  # steps 11..20 redone bit-identically
+    assert resumed["val_bpb"] == first["val_bpb"]
+
+
 def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     """A real process killed with SIGTERM mid-run saves; the rerun continues with identical losses."""
     cache = tmp_path / "cache"

@@ -2,7 +2,9 @@
 
 `train(cfg)` resumes from the latest checkpoint in `cfg.workdir` when there is one (same data position,
 same optimizer state), saves every `checkpoint_every` steps, at the end, and when the process gets
-SIGTERM, then returns a summary dict.
+SIGTERM, then returns a summary dict. A damaged newest checkpoint is moved aside to `<step>.corrupt`
+and the run resumes from the newest readable one, saying so in one warning line
+(`Checkpointer.restore_latest`).
 """
 from __future__ import annotations
 
@@ -96,18 +98,28 @@ def sample_text(model, cfg: RunConfig, *, seed: int) -> str:
 
 
 def load_trained_model(cfg: RunConfig, *, step: int | None = None) -> tuple[LanguageModel, int]:
-    """The model of `cfg.workdir`'s checkpoint `step` (default: latest) and that step.
+    """The model of `cfg.workdir`'s checkpoint `step` (default: the newest readable one) and that step.
+
+    With `step=None` a damaged newest checkpoint is skipped with a warning line and left in place (the
+    training run moves it aside when it resumes).
 
     Raises:
       FileNotFoundError: when the workdir holds no checkpoint.
+      ValueError: the checkpoint (or, with step=None, every checkpoint) cannot be read, or it was
+        written for another model config.
     """
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    ckpt.restore_model(step, model)
-    ckpt.close()
+    try:
+        if step is None:
+            meta = ckpt.restore_latest(model, move_aside=False)
+            if meta is None:
+                raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
+            step = int(meta["step"])
+        else:
+            ckpt.restore_model(step, model)
+    finally:
+        ckpt.close()
     return model, step
 
 
@@ -123,6 +135,8 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     Raises:
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
         of the last good state is written first).
+      ValueError: the workdir holds checkpoints but none is readable, or they were written for another
+        model/optimizer config (`Checkpointer.restore_latest`).
     """
     t_start = time.time()
     cache_dir = cfg.data.cache_dir or None
@@ -140,11 +154,9 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     val_batches = eval_batches(val_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                max_batches=cfg.train.eval_batches)
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
-    start_step = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        meta = ckpt.restore(latest, model, optimizer, data_iter)
-        start_step = int(meta["step"])
+    meta = ckpt.restore_latest(model, optimizer, data_iter)  # None: a fresh run
+    latest = None if meta is None else int(meta["step"])
+    start_step = latest or 0
     writer = MetricsWriter(cfg.workdir, resume_step=start_step if latest is not None else None)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
