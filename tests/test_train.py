@@ -84,6 +84,85 @@ def test_nonfinite_update_is_skipped_and_counted():
     np.testing.assert_array_equal(after["head"]["kernel"], before["head"]["kernel"])  # update skipped
 
 
+def _nan_batch():
+    return {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32),
+            "segment_ids": jnp.ones((1, 8), jnp.int32), "positions": jnp.zeros((1, 8), jnp.int32),
+            "loss_mask": jnp.ones((1, 8), bool)}
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("embed", "first non-finite activation after embed"),
+    ("mixers/1", "first non-finite activation after mixers/1 (attention)"),
+    ("ffns/0", "first non-finite activation after ffns/0 (mlp)"),
+    ("head", "first non-finite activation after final_norm/head"),
+])
+def test_nonfinite_step_reports_the_layer_that_produced_it(where, expected):
+    """Issue 23: a skipped step said nothing about where the NaN came from."""
+    from k3jax.models.config import ModelConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.config import TrainConfig
+    from k3jax.train.optimizer import make_optimizer
+    from k3jax.train.step import finiteness_names, nonfinite_report, train_step
+
+    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64),
+                          rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)), wrt=nnx.Param)
+    m = train_step(model, opt, _nan_batch())
+    assert bool(m["finite"]) and np.asarray(m["finite_activations"]).all() and np.asarray(m["finite_grads"]).all()
+    activations, groups = finiteness_names(model)
+    assert activations == ("embed", "mixers/0 (attention)", "ffns/0 (mlp)", "mixers/1 (attention)", "ffns/1 (mlp)",
+                           "final_norm/head", "loss")
+    assert "mixers/1" in groups and "ffn_norms/0" in groups and len(groups) == 11
+    module = {"embed": model.embed, "mixers/1": model.mixers[1], "ffns/0": model.ffns[0], "head": model.head}[where]
+    param = next(v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param))
+    param.set_value(param.get_value().at[(0,) * param.get_value().ndim].set(jnp.nan))
+    m = train_step(model, opt, _nan_batch())
+    assert not bool(m["finite"])
+    report = nonfinite_report(model, jax.device_get(m))
+    assert report == f"{expected}; non-finite gradients in 11 of 11 parameter groups", report
+
+
+def test_nonfinite_report_of_a_finite_forward_lists_gradients_deepest_first():
+    from k3jax.models.config import ModelConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.step import finiteness_names, nonfinite_report
+
+    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64),
+                          rngs=nnx.Rngs(0))
+    activations, groups = finiteness_names(model)
+    bad = {"embed", "mixer_norms/0", "mixers/0", "ffns/0", "mixers/1"}  # a NaN born in mixers/1's backward
+    metrics = {"finite_activations": np.ones(len(activations), bool),
+               "finite_grads": np.array([g not in bad for g in groups])}
+    assert nonfinite_report(model, metrics) == ("forward finite; non-finite gradients in 5 of 11 parameter groups, "
+                                                "deepest first: mixers/1, ffns/0, mixers/0, mixer_norms/0, ...")
+
+
+def test_trainer_names_the_layer_when_it_stops_on_nonfinite_steps(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import k3jax.train.trainer as trainer_lib
+    from k3jax.train.trainer import NonFiniteError
+    real_step, calls = trainer_lib.train_step, []
+
+    def poisoned_step(model, optimizer, batch):  # from the 3rd step on, mixers/1 holds a NaN weight
+        calls.append(1)
+        if len(calls) == 3:
+            kernel = model.mixers[1].o.kernel
+            kernel.set_value(kernel.get_value().at[0, 0].set(jnp.nan))
+        return real_step(model, optimizer, batch)
+
+    monkeypatch.setattr(trainer_lib, "train_step", poisoned_step)
+    cfg = _cfg(tmp_path / "nan", tmp_path / "cache", max_nonfinite_steps=2, checkpoint_every=100)
+    with caplog.at_level(logging.WARNING, logger="k3jax"), pytest.raises(NonFiniteError) as e:
+        train(cfg, show_progress=False)
+    assert str(e.value).startswith("2 consecutive non-finite steps at step 4: first non-finite activation after "
+                                   "mixers/1 (attention);")
+    lines = [r.getMessage() for r in caplog.records if "non-finite step" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["step 3", "step 4"]
+    assert all("first non-finite activation after mixers/1 (attention)" in line for line in lines)
+    assert "1 in a row" in lines[0] and "2 in a row" in lines[1]
+
+
 def test_checkpoint_round_trip(tmp_path):
     from k3jax.data.pipeline import make_train_loader
     from k3jax.models.config import ModelConfig

@@ -30,13 +30,14 @@ from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.config import RunConfig
 from k3jax.train.metrics import MetricsWriter
 from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
-from k3jax.train.step import bits_per_byte, eval_step, train_step
+from k3jax.train.step import bits_per_byte, eval_step, nonfinite_report, train_step
 
 log = logging.getLogger("k3jax")
 
 
 class NonFiniteError(RuntimeError):
-    """Raised when `max_nonfinite_steps` consecutive updates were skipped for inf/NaN gradients."""
+    """Raised when `max_nonfinite_steps` consecutive updates were skipped for inf/NaN gradients; the
+    message says which layer first produced a non-finite value (`k3jax.train.step.nonfinite_report`)."""
 
 
 class _Sigterm:
@@ -132,9 +133,12 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     `time_budget_s` does the same once this call has run that many wall-clock seconds (checked after
     each step; the summary's "step" says where it stopped).
 
+    A skipped (non-finite) update logs one warning line naming the first layer whose output was
+    non-finite (or, for a finite forward, the deepest parameter group with non-finite gradients).
+
     Raises:
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
-        of the last good state is written first).
+        of the last good state is written first; the message names the layer as above).
       ValueError: the workdir holds checkpoints but none is readable, or they were written for another
         model/optimizer config (`Checkpointer.restore_latest`).
     """
@@ -191,9 +195,16 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
             tok_s = timed_tokens / timed_seconds if timed_seconds else 0.0
             bar.update(1)
             bar.set_postfix(loss=f"{float(metrics['ce']):.3f}", tok_s=f"{tok_s:,.0f}")
-            if int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps:
-                ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
-                raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step {step}")
+            stop = int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps
+            if not bool(metrics["finite"]) or stop:
+                where = nonfinite_report(model, metrics)
+                log.warning("step %d: non-finite step, update skipped (loss %s, grad_norm %s; %d in a row): %s",
+                            step, float(metrics["loss"]), float(metrics["grad_norm"]),
+                            int(metrics["nonfinite_count"]), where)
+                if stop:
+                    ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                    raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step "
+                                         f"{step}: {where}")
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 scalars = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
                 scalars.update(lr=float(schedule(step - 1)), tokens_per_s=tok_s, tokens=step * tokens_per_step)
