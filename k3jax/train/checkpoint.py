@@ -91,6 +91,7 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                  enable_async_checkpointing=False))
+        self._metadata_reader = ocp.StandardCheckpointHandler()  # array metadata of one item, for _check_fits
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -114,7 +115,7 @@ class Checkpointer:
         """Stored shapes of `item` must be `target`'s: a readable checkpoint of another config is no
         damage (never moved aside) but a ValueError. Unreadable metadata is damage (_UnreadableError)."""
         try:
-            stored = _shapes(ocp.StandardCheckpointHandler().metadata(epath.Path(self.step_path(step)) / item))
+            stored = _shapes(self._metadata_reader.metadata(epath.Path(self.step_path(step)) / item))
         except Exception as e:  # noqa: BLE001 (any failure to read is damage, reported with its cause)
             raise _UnreadableError(item, e) from e
         wanted = _shapes(target)
@@ -253,4 +254,5 @@ class Checkpointer:
                          + ". Move the damaged step folders away to start the run from scratch")
 
     def close(self):
+        self._metadata_reader.close()
         self.manager.close()
