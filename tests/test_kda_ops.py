@@ -7,6 +7,7 @@ against a plain fp64 numpy loop and the decode step.
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 
 import jax
@@ -149,6 +150,57 @@ def test_decode_step_rejects_bad_shapes():
         kda_decode_step(q, q, jnp.zeros((2, 3, 5)), q, jnp.zeros((2, 3)), jnp.zeros((2, 3, 5, 4)))
     with pytest.raises(ValueError, match="beta"):
         kda_decode_step(q, q, jnp.zeros((2, 3, 5)), q, jnp.zeros((2,)), jnp.zeros((2, 3, 4, 5)))
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v", "g", "beta", "initial_state"])
+@pytest.mark.parametrize("implementation", [None, "recurrent", "chunked"])
+def test_non_floating_inputs_raise_naming_the_argument(arg, implementation):
+    # Issue 23: int32 q/k/v ran (output in int32 v's dtype, truncated).
+    arrays = {n: jnp.ones(s) for n, s in _SMALL.items()} | {"initial_state": jnp.zeros((1, 2, 8, 6))}
+    arrays[arg] = arrays[arg].astype(jnp.int32)
+    with pytest.raises(ValueError, match=rf"{arg} must have a floating dtype .*got {arg}\.dtype=int32"):
+        kda(*(arrays[n] for n in _SMALL), initial_state=arrays["initial_state"], implementation=implementation)
+
+
+def _value_case(bad):
+    """Small valid KDA inputs, then one broken value: NaN in g, g > 0, g below lower_bound=-5, NaN in v."""
+    x = make_kda_inputs(jax.random.PRNGKey(5), 1, 20, 2, 8)  # bounded gate: g in (-5, 0)
+    x = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    if bad == "nan_g":
+        x["g"] = x["g"].at[0, 3, 1, 2].set(jnp.nan)
+    elif bad == "positive_g":
+        x["g"] = x["g"].at[0, 3, 1, 2].set(0.25)
+    elif bad == "below_bound":
+        x["g"] = x["g"].at[0, 3, 1, 2].set(-6.0)
+    elif bad == "nan_v":
+        x["v"] = x["v"].at[0, 0, 0, 0].set(jnp.nan)
+    return x
+
+
+_VALUE_MESSAGES = {"nan_g": r"kda: g must be finite; got 1 NaN/inf values of 320",
+                   "positive_g": r"kda: g must be <= 0 \(log-decay in nats\); got max\(g\) = 0\.25",
+                   "below_bound": r"kda: g must be >= lower_bound=-5\.0 .*got min\(g\) = -6\.0",
+                   "nan_v": r"kda: v must be finite; got 1 NaN/inf values of 320"}
+
+
+@pytest.mark.parametrize("bad", sorted(_VALUE_MESSAGES))
+@pytest.mark.parametrize("implementation", ["recurrent", "chunked"])
+def test_check_values_reports_the_broken_contract(bad, implementation):
+    """Issue 23: NaN in g, g > 0, g below the declared bound passed silently (NaN or blown-up outputs).
+    check_values=True raises eagerly and reports through checkify under jit; the default stays silent."""
+    from jax.experimental import checkify
+    x = _value_case(bad)
+    kw = dict(lower_bound=-5.0 if bad == "below_bound" else None, implementation=implementation)
+    kda(**x, **kw)  # the default checks shapes and dtypes only: no error
+    with pytest.raises(ValueError, match=_VALUE_MESSAGES[bad]):
+        kda(**x, **kw, check_values=True)
+    checked = jax.jit(checkify.checkify(lambda x: kda(**x, **kw, check_values=True)))
+    err, _ = checked(x)
+    assert err.get() is not None and re.search(_VALUE_MESSAGES[bad], err.get())
+    err, (o, _) = checked(_value_case("none"))
+    assert err.get() is None and np.isfinite(np.asarray(o)).all()
+    with pytest.raises(ValueError, match="checkify"):  # checks asked for under a plain jit: fails to trace
+        jax.jit(lambda x: kda(**x, **kw, check_values=True))(x)
 
 
 def test_default_implementation_is_chunked_and_matches():

@@ -148,3 +148,13 @@ def test_block_attnres_model_equals_hand_unrolled_two_blocks():
 def test_bad_residual_configs_raise_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig(**kw)
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "quantile_threshold"])
+def test_quantile_balancing_with_top_k_equal_to_experts_fails_at_config_build(balancing):
+    # Quantile balancing needs a (k+1)-th expert per token: top_k == E must fail when the config is
+    # built, not later when the model is.
+    with pytest.raises(ValueError, match=r"model\.moe_top_k must be < moe_num_experts=4"):
+        ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=4, moe_balancing=balancing)
+    ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=4, moe_balancing="aux_loss")  # fine without QB
+    ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=3, moe_balancing=balancing)

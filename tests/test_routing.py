@@ -421,3 +421,89 @@ def test_threshold_window_smoothing():
     np.testing.assert_array_equal(r_fresh.expert_ids[:, 0], [0, 0, 0, 0, 1, 1, 2, 3])
     # smoothed: u = (1.75, .75, .75, .75) -> cap floor(1.6·2) = 3: t3, t4 shed to expert 1
     np.testing.assert_array_equal(r_full.expert_ids[:, 0], [0, 0, 0, 1, 1, 1, 2, 3])
+
+
+# --------------------------------------------------------------------------- malformed calls (issue 23)
+
+
+def _k3_routing(n=8, k=1):
+    scores = jnp.asarray(K3_EXAMPLE[:n])
+    return scores, R.route(scores, None, k)
+
+
+@pytest.mark.parametrize("top_k", [2.5, 1.0, True, "2"])
+def test_route_non_int_top_k_is_a_value_error(top_k):
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E=4\]"):
+        R.route(jnp.asarray(K3_EXAMPLE), None, top_k)
+
+
+@pytest.mark.parametrize("method", ["loss_free", "quantile", "aux_loss", "none"])
+def test_balance_with_routing_for_other_tokens_names_routing(method):
+    scores = jnp.asarray(K3_EXAMPLE)
+    _, routing6 = _k3_routing(6)  # routed 6 tokens, balanced against 8
+    with pytest.raises(ValueError, match=r"routing\.expert_ids must be \[N, k\] with N=8"):
+        R.balance(R.BalancingConfig(method=method), scores, routing6, jnp.zeros(4))
+    good = R.balance(R.BalancingConfig(method=method), scores, R.route(scores, None, 1), jnp.zeros(4))
+    np.testing.assert_array_equal(good.stats["loads"], [4, 3, 1, 0])
+
+
+def test_quantile_margins_with_routing_for_other_tokens_names_routing():
+    scores = jnp.asarray(K3_EXAMPLE)
+    _, routing6 = _k3_routing(6)
+    with pytest.raises(ValueError, match=r"routing\.expert_ids must be \[N, k\] with N=8"):
+        R.quantile_margins(scores, routing6)
+    with pytest.raises(ValueError, match=r"routing\.cutoff must be \[N\] with N=8"):
+        R.quantile_margins(scores, R.route(scores, None, 1)._replace(cutoff=jnp.zeros(6)))
+
+
+@pytest.mark.parametrize("top_k", [0, 4, 5, -1, 1.5])
+def test_quantile_bias_top_k_outside_1_to_e(top_k):
+    margins = R.quantile_margins(*_k3_routing())
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E=4\)"):
+        R.quantile_bias(margins, top_k, bias=jnp.zeros(4))
+    np.testing.assert_allclose(R.quantile_bias(margins, 1, bias=jnp.zeros(4)).sum(), 0.0, atol=1e-6)
+
+
+def test_expert_loads_checks_ids_on_request():
+    ids = jnp.array([[0], [3], [4], [-1]], jnp.int32)  # 4 and -1 are outside [0, E=4)
+    np.testing.assert_array_equal(R.expert_loads(ids, 4), [1, 0, 0, 1])  # the default: dropped, documented
+    with pytest.raises(ValueError, match=r"expert_loads: expert_ids must be in \[0, num_experts=4\); got 2 ids"):
+        R.expert_loads(ids, 4, check_values=True)  # eager: JaxRuntimeError, a ValueError
+    # under jit, functionalised with checkify; a masked-out bad id does not count
+    from jax.experimental import checkify
+    f = jax.jit(checkify.checkify(lambda i, m: R.expert_loads(i, 4, token_mask=m, check_values=True)))
+    err, loads = f(ids, jnp.array([True, True, True, False]))
+    assert "got 1 ids outside it (max id 4)" in err.get()
+    err, loads = f(ids, jnp.array([True, True, False, False]))
+    assert err.get() is None
+    np.testing.assert_array_equal(loads, [1, 0, 0, 1])
+    with pytest.raises(ValueError, match="expert_ids must have an integer dtype"):
+        R.expert_loads(ids.astype(jnp.float32), 4)
+    with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
+        R.expert_loads(ids, 0)
+
+
+def test_route_checks_nan_scores_on_request():
+    scores = jnp.asarray(K3_EXAMPLE).at[2, 1].set(jnp.nan)
+    r = R.route(scores, None, 1)  # the default does not look at values
+    assert np.isnan(np.asarray(r.weights)).any()
+    with pytest.raises(ValueError, match="route: scores must be finite; got 1 NaN/inf values of 32"):
+        R.route(scores, None, 1, check_values=True)
+    with pytest.raises(ValueError, match="route: bias must be finite; got 1 NaN/inf values of 4"):
+        R.route(jnp.asarray(K3_EXAMPLE), jnp.array([0.0, jnp.inf, 0.0, 0.0]), 1, check_values=True)
+    from jax.experimental import checkify
+    err, _ = jax.jit(checkify.checkify(lambda s: R.route(s, None, 1, check_values=True)))(scores)
+    assert "scores must be finite" in err.get()
+    with pytest.raises(ValueError, match="checkify"):  # jitted without checkify: fails to trace, loudly
+        jax.jit(lambda s: R.route(s, None, 1, check_values=True))(scores)
+
+
+@pytest.mark.parametrize("gamma", [-1.0, float("nan"), float("inf"), -1e-9])
+def test_loss_free_gamma_must_be_finite_and_non_negative(gamma):
+    with pytest.raises(ValueError, match="loss_free_gamma must be a finite number >= 0"):
+        R.BalancingConfig(method="loss_free", loss_free_gamma=gamma)
+    with pytest.raises(ValueError, match="gamma must be a finite number >= 0"):
+        R.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), gamma)
+    with pytest.raises(ValueError, match="aux_loss_alpha must be a finite number >= 0"):
+        R.BalancingConfig(method="aux_loss", aux_loss_alpha=gamma)
+    np.testing.assert_allclose(R.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), 0.5), [-0.5, -0.5, 0.5, 0.5])

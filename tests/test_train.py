@@ -84,6 +84,85 @@ def test_nonfinite_update_is_skipped_and_counted():
     np.testing.assert_array_equal(after["head"]["kernel"], before["head"]["kernel"])  # update skipped
 
 
+def _nan_batch():
+    return {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32),
+            "segment_ids": jnp.ones((1, 8), jnp.int32), "positions": jnp.zeros((1, 8), jnp.int32),
+            "loss_mask": jnp.ones((1, 8), bool)}
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("embed", "first non-finite activation after embed"),
+    ("mixers/1", "first non-finite activation after mixers/1 (attention)"),
+    ("ffns/0", "first non-finite activation after ffns/0 (mlp)"),
+    ("head", "first non-finite activation after final_norm/head"),
+])
+def test_nonfinite_step_reports_the_layer_that_produced_it(where, expected):
+    """Issue 23: a skipped step said nothing about where the NaN came from."""
+    from k3jax.models.config import ModelConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.config import TrainConfig
+    from k3jax.train.optimizer import make_optimizer
+    from k3jax.train.step import finiteness_names, nonfinite_report, train_step
+
+    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64),
+                          rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)), wrt=nnx.Param)
+    m = train_step(model, opt, _nan_batch())
+    assert bool(m["finite"]) and np.asarray(m["finite_activations"]).all() and np.asarray(m["finite_grads"]).all()
+    activations, groups = finiteness_names(model)
+    assert activations == ("embed", "mixers/0 (attention)", "ffns/0 (mlp)", "mixers/1 (attention)", "ffns/1 (mlp)",
+                           "final_norm/head", "loss")
+    assert "mixers/1" in groups and "ffn_norms/0" in groups and len(groups) == 11
+    module = {"embed": model.embed, "mixers/1": model.mixers[1], "ffns/0": model.ffns[0], "head": model.head}[where]
+    param = next(v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param))
+    param.set_value(param.get_value().at[(0,) * param.get_value().ndim].set(jnp.nan))
+    m = train_step(model, opt, _nan_batch())
+    assert not bool(m["finite"])
+    report = nonfinite_report(model, jax.device_get(m))
+    assert report == f"{expected}; non-finite gradients in 11 of 11 parameter groups", report
+
+
+def test_nonfinite_report_of_a_finite_forward_lists_gradients_deepest_first():
+    from k3jax.models.config import ModelConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.step import finiteness_names, nonfinite_report
+
+    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64),
+                          rngs=nnx.Rngs(0))
+    activations, groups = finiteness_names(model)
+    bad = {"embed", "mixer_norms/0", "mixers/0", "ffns/0", "mixers/1"}  # a NaN born in mixers/1's backward
+    metrics = {"finite_activations": np.ones(len(activations), bool),
+               "finite_grads": np.array([g not in bad for g in groups])}
+    assert nonfinite_report(model, metrics) == ("forward finite; non-finite gradients in 5 of 11 parameter groups, "
+                                                "deepest first: mixers/1, ffns/0, mixers/0, mixer_norms/0, ...")
+
+
+def test_trainer_names_the_layer_when_it_stops_on_nonfinite_steps(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import k3jax.train.trainer as trainer_lib
+    from k3jax.train.trainer import NonFiniteError
+    real_step, calls = trainer_lib.train_step, []
+
+    def poisoned_step(model, optimizer, batch):  # from the 3rd step on, mixers/1 holds a NaN weight
+        calls.append(1)
+        if len(calls) == 3:
+            kernel = model.mixers[1].o.kernel
+            kernel.set_value(kernel.get_value().at[0, 0].set(jnp.nan))
+        return real_step(model, optimizer, batch)
+
+    monkeypatch.setattr(trainer_lib, "train_step", poisoned_step)
+    cfg = _cfg(tmp_path / "nan", tmp_path / "cache", max_nonfinite_steps=2, checkpoint_every=100)
+    with caplog.at_level(logging.WARNING, logger="k3jax"), pytest.raises(NonFiniteError) as e:
+        train(cfg, show_progress=False)
+    assert str(e.value).startswith("2 consecutive non-finite steps at step 4: first non-finite activation after "
+                                   "mixers/1 (attention);")
+    lines = [r.getMessage() for r in caplog.records if "non-finite step" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["step 3", "step 4"]
+    assert all("first non-finite activation after mixers/1 (attention)" in line for line in lines)
+    assert "1 in a row" in lines[0] and "2 in a row" in lines[1]
+
+
 def test_checkpoint_round_trip(tmp_path):
     from k3jax.data.pipeline import make_train_loader
     from k3jax.models.config import ModelConfig
@@ -95,7 +174,7 @@ def test_checkpoint_round_trip(tmp_path):
     def fresh(seed):
         m = LanguageModel(ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16, d_ff=64),
                           rngs=nnx.Rngs(seed))
-        o = nnx.Optimizer(m, make_optimizer(TrainConfig(steps=10)), wrt=nnx.Param)
+        o = nnx.Optimizer(m, make_optimizer(TrainConfig(steps=10, warmup_steps=1)), wrt=nnx.Param)
         it = make_train_loader(np.arange(4000, dtype=np.uint16) % 256, batch_size=2, seq_len=16, seed=3)
         return m, o, it
 
@@ -137,6 +216,33 @@ def test_resume_gives_identical_losses(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ma)), nnx.to_pure_dict(nnx.state(mb)))
 
 
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog):
+    """Issue 23, end to end: step 20's checkpoint truncated -> the rerun resumes from step 10, says so in
+    one line, keeps the damaged folder as 20.corrupt and ends with the losses of an undisturbed run."""
+    import glob
+    import logging
+    cache = tmp_path / "cache"
+    first = train(_cfg(tmp_path / "run", cache), show_progress=False)
+    assert first["step"] == 20
+    before = _losses(tmp_path / "run")
+    ckdir = tmp_path / "run" / "checkpoints"
+    array = max(glob.glob(f"{ckdir}/20/model/ocdbt.process_0/d/*"), key=os.path.getsize)
+    os.truncate(array, os.path.getsize(array) // 2)
+    with caplog.at_level(logging.WARNING, logger="k3jax"):
+        resumed = train(_cfg(tmp_path / "run", cache), show_progress=False)
+    assert resumed["start_step"] == 10 and resumed["step"] == 20
+    lines = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"checkpoint step 20 at {ckdir / '20'} is unreadable (model: ValueError: OUT_OF_RANGE: ")
+    assert lines[0].endswith(f"; moved it aside to {ckdir / '20.corrupt'}; resuming from step 10")
+    assert "OCDBT" in lines[0]
+    assert sorted(os.listdir(ckdir)) == ["10", "20", "20.corrupt"]  # step 20 written again at the end
+    header = json.loads((tmp_path / "run" / "run_header.json").read_text())
+    assert header["resumed_from_step"] == 10
+    assert _losses(tmp_path / "run") == before  # steps 11..20 redone bit-identically
+    assert resumed["val_bpb"] == first["val_bpb"]
+
+
 def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     """A real process killed with SIGTERM mid-run saves; the rerun continues with identical losses."""
     cache = tmp_path / "cache"
@@ -173,9 +279,9 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
 def test_config_overrides_reach_the_run(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", "from experiments.configs.k3_tiny import get_config; "
-         "from k3jax.train.config import run_config_from_dict; c = get_config(); c.train.steps = 7; "
+         "from k3jax.train.config import run_config_from_dict; c = get_config(); c.train.steps = 77; "
          "print(run_config_from_dict(c).train.steps)"], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "7"
+    assert out.stdout.strip() == "77"
     from experiments.configs.k3_tiny import get_config
     cfg = run_config_from_dict(get_config())
     assert isinstance(cfg, RunConfig) and cfg.data.source == "python-stdlib"
@@ -192,6 +298,42 @@ def test_bad_config_values_raise_naming_the_field(section, field, value):
     c[section][field] = value
     with pytest.raises(ValueError, match=f"{section}.{field}"):
         run_config_from_dict(c)
+
+
+@pytest.mark.parametrize("section,field,value,message", [
+    ("train", "warmup_steps", 401, r"train\.warmup_steps must be <= train\.steps=400"),
+    ("seed", None, -1, r"seed must be an int in \[0, 2\*\*32\)"),
+    ("seed", None, 2**32, r"seed must be an int in \[0, 2\*\*32\)"),
+    ("seed", None, True, r"seed must be an int"),
+    ("data", "source", "text:/nonexistent-k3jax/**/*.txt", r"data\.source: source matches no files"),
+    ("data", "source", "tokens:/nonexistent-k3jax/train.bin", r"data\.source: source must name a folder"),
+])
+def test_config_errors_come_when_the_config_is_built(section, field, value, message):
+    """Issue 23: these passed construction and failed later (the schedule, the loader, the corpus load)."""
+    from experiments.configs.k3_tiny import get_config
+    c = get_config().to_dict()
+    assert c["train"]["steps"] == 400
+    if field is None:
+        c[section] = value
+    else:
+        c[section][field] = value
+    with pytest.raises(ValueError, match=message):
+        run_config_from_dict(c)
+
+
+def test_text_glob_that_matches_files_builds(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("hello")
+    from k3jax.train.config import DataConfig
+    assert DataConfig(source=f"text:{tmp_path}/**/*.txt").source.endswith("*.txt")
+    with pytest.raises(ValueError, match="matches no files"):
+        DataConfig(source=f"text:{tmp_path}/**/*.md")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="val.bin"):
+        DataConfig(source=f"tokens:{tmp_path / 'ds'}")
+    (tmp_path / "ds" / "val.bin").write_bytes(b"\0\0")
+    DataConfig(source=f"tokens:{tmp_path / 'ds'}")
 
 
 def test_unknown_config_field_raises():

@@ -146,6 +146,45 @@ def unigram_entropy_bits(tokens) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def check_source(source: str) -> None:
+    """Cheap check that `source` names something that exists, without reading or caching it.
+
+    `text:<glob>` must match at least one file (stops at the first match); `tokens:<path>` must be a
+    folder holding train.bin and val.bin or a `.bin` file; `hf:<dataset>[:<text_field>]` must have
+    both parts non-empty (a hub name cannot be checked offline); `python-stdlib` always exists.
+    `DataConfig` calls it when built, so a bad source fails there, not at the first corpus load.
+
+    Raises:
+      ValueError: the message names `source` and says what is missing.
+    """
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a non-empty str, got {source=}")
+    if source == "python-stdlib":
+        return
+    if source.startswith("text:"):
+        pattern = os.path.expanduser(source[len("text:"):])
+        if not pattern:
+            raise ValueError(f"source 'text:<glob>' needs a glob, got {source=}")
+        if not any(os.path.isfile(p) for p in glob_lib.iglob(pattern, recursive=True)):
+            raise ValueError(f"source matches no files: {source=}")
+    elif source.startswith("tokens:"):
+        path = Path(source[len("tokens:"):]).expanduser()
+        if path.is_dir():
+            missing = [str(path / f) for f in ("train.bin", "val.bin") if not (path / f).is_file()]
+            if missing:
+                raise ValueError(f"source folder lacks {missing}: {source=}")
+        elif not (path.is_file() and path.suffix == ".bin"):
+            raise ValueError(f"source must name a folder with train.bin/val.bin or a .bin file: {source=}")
+    elif source.startswith("hf:"):
+        spec = source[len("hf:"):]
+        name, text_field = (spec.rsplit(":", 1) if ":" in spec else (spec, "text"))
+        if not name or not text_field:
+            raise ValueError(f"source must be 'hf:<dataset>[:<text_field>]', got {source=}")
+    else:
+        raise ValueError("source must be 'python-stdlib', 'text:<glob>', 'tokens:<path>' or "
+                         f"'hf:<dataset>[:<text_field>]', got {source=}")
+
+
 def load_corpus(source: str = "python-stdlib", split: str = "train", *,
                 cache_dir: str | os.PathLike | None = None) -> Corpus:
     """Loads one split of a corpus, building and caching it on first use.

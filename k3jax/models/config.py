@@ -43,7 +43,8 @@ class ModelConfig:
       kda_lower_bound: lower bound of the bounded log-decay gate (natural log units), in [-5, 0).
       kda_chunk_size: chunk length of the chunked KDA op.
       kda_implementation: None (best available) | "recurrent" | "chunked" | "pallas".
-      moe_num_experts, moe_top_k: routed experts E and experts per token k (ffn="moe").
+      moe_num_experts, moe_top_k: routed experts E and experts per token k (ffn="moe"); 1 <= k <= E, and
+        k < E for the quantile methods.
       moe_d_ff: hidden width of one expert (0 = d_ff).
       moe_num_shared_experts: always-on shared experts (DeepSeekMoE).
       moe_score_func: "softmax" or "sigmoid" router scores.
@@ -128,6 +129,10 @@ class ModelConfig:
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ValueError(f"model.moe_capacity_factor must be None or > 0, got {self.moe_capacity_factor!r}")
             self.balancing_config()
+            if self.moe_balancing in ("quantile", "quantile_threshold") and self.moe_top_k >= self.moe_num_experts:
+                raise ValueError(f"model.moe_top_k must be < moe_num_experts={self.moe_num_experts} for "
+                                 f"moe_balancing={self.moe_balancing!r} (quantile balancing needs a (k+1)-th "
+                                 f"expert per token), got {self.moe_top_k!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kda_gate not in ("bounded", "softplus"):

@@ -14,11 +14,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from k3jax.ops.kda_chunked import kda_chunked, validate_chunk_size, validate_lower_bound
 from k3jax.ops.kda_reference import kda_recurrent, l2_normalize, validate_kda_inputs
 
-__all__ = ["kda", "kda_gate", "kda_gate_init", "kda_chunked", "kda_recurrent", "kda_decode_step", "IMPLEMENTATIONS"]
+__all__ = ["kda", "kda_gate", "kda_gate_init", "kda_chunked", "kda_recurrent", "kda_decode_step", "kda_value_checks",
+           "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("recurrent", "chunked", "pallas")
 
@@ -95,6 +97,28 @@ def _pallas_covers(q, k, v, g, beta, *, lower_bound, segment_ids, chunk_size, in
     return ok
 
 
+def kda_value_checks(q, k, v, g, beta, *, lower_bound: float | None = None, initial_state=None) -> None:
+    """`jax.experimental.checkify` checks of the values `kda` assumes (what `kda(check_values=True)` runs).
+
+    q, k, v, beta and initial_state finite; g finite and <= 0 (log-decay in nats); g >= lower_bound when
+    one is declared. None of these can raise inside `jit` on their own: eagerly a failed check raises
+    `JaxRuntimeError` (a ValueError) at once; under `jit`, functionalise the caller,
+    `err, out = jax.jit(checkify.checkify(f))(...)`, and `err.throw()`. A jitted caller that is not
+    functionalised fails to trace (checkify's "not functionalized" error), so checks never vanish silently.
+    Cost: one reduction over each input.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state), ("g", g)):
+        if x is None:
+            continue
+        bad = jnp.sum(~jnp.isfinite(x))
+        checkify.check(bad == 0, f"kda: {name} must be finite; got {{bad}} NaN/inf values of {x.size}", bad=bad)
+    g_max, g_min = jnp.max(g), jnp.min(g)
+    checkify.check(g_max <= 0, "kda: g must be <= 0 (log-decay in nats); got max(g) = {g_max}", g_max=g_max)
+    if lower_bound is not None:
+        checkify.check(g_min >= lower_bound, f"kda: g must be >= lower_bound={float(lower_bound)} (the caller's "
+                       "promise); got min(g) = {g_min}", g_min=g_min)
+
+
 def kda(
     q: jax.Array,
     k: jax.Array,
@@ -111,13 +135,20 @@ def kda(
     chunk_size: int = 64,
     implementation: str | None = None,
     interpret: bool = False,
+    check_values: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T (scale q_t), per head.
 
+    Contract on values (not checked by default; shapes and dtypes always are): g finite and <= 0, and
+    >= lower_bound when one is declared; q, k, v, beta finite. A NaN in g turns that head's outputs NaN
+    from its token on (every implementation); g > 0 makes the state grow exponentially (g = 0.5 over 128
+    tokens: |state| ~ 1e25); g below a declared lower_bound can turn the bounded chunked path's outputs
+    all NaN (g = -6 with lower_bound=-5). `check_values=True` checks all of it (`kda_value_checks`).
+
     Args:
       q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (nats, finite, <= 0;
-        -inf gives NaN in the chunk forms); beta: [B, T, H].
+        -inf gives NaN in the chunk forms); beta: [B, T, H]. All of a floating dtype.
       scale: query scale, None = K ** -0.5.
       initial_state: [B, H, K, V] fp32 state before token 0 (first segment of each row only).
       output_final_state: also return the fp32 final state [B, H, K, V].
@@ -138,14 +169,19 @@ def kda(
         explicit request it does not cover, e.g. chunk_size=32, raises).
       interpret: run the Pallas kernel in interpret mode (CPU); with implementation=None it keeps
         the dispatch off the kernel; ignored by "recurrent" and "chunked".
+      check_values: add the `jax.experimental.checkify` checks of `kda_value_checks` (the contract
+        above) before dispatch: eagerly they raise at once; under `jit` wrap the caller with
+        `checkify.checkify` (a jitted call without it fails to trace). A debugging aid: one reduction
+        per input.
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Raises:
       ValueError: unknown implementation, "pallas" for a call the kernel does not cover (or with
-        interpret=False off a GPU), mismatched shapes, bad chunk_size or lower_bound (the message names
-        the argument).
+        interpret=False off a GPU), mismatched shapes, a non-floating q/k/v/g/beta, bad chunk_size or
+        lower_bound (the message names the argument). With check_values=True, `JaxRuntimeError` (a
+        ValueError) naming the input whose values break the contract.
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; fla `chunk_kda` / `naive_recurrent_kda`.
     """
@@ -156,6 +192,8 @@ def kda(
     # Every implementation gets the same shape / dtype checks (ValueError naming the argument) before
     # dispatch, so an explicit "pallas" call never fails inside a kernel on a bad shape.
     validate_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, scale=scale)
+    if check_values:
+        kda_value_checks(q, k, v, g, beta, lower_bound=lower_bound, initial_state=initial_state)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm)
     if implementation is None and _pallas_covers(q, k, v, g, beta, lower_bound=lower_bound, segment_ids=segment_ids,

@@ -31,8 +31,8 @@ def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
 def validate_kda_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None, scale=None):
     """Checks the shapes shared by every KDA implementation; raises ValueError naming the argument.
 
-    Expected: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V];
-    segment_ids [B, T] of an integer dtype; scale a Python number or None.
+    Expected: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V], all
+    of a floating dtype; segment_ids [B, T] of an integer dtype; scale a Python number or None.
     """
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K]; got {q.shape=}")
@@ -50,6 +50,9 @@ def validate_kda_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None, 
     V = v.shape[-1]
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, V)}; got {initial_state.shape=}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must have a floating dtype (e.g. bfloat16, float32); got {name}.dtype={x.dtype}")
     if segment_ids is not None:
         if segment_ids.shape != (B, T):
             raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape=}")
@@ -121,7 +124,7 @@ def kda_recurrent(
       output_final_state is False.
 
     Raises:
-      ValueError: on mismatched shapes (the message names the argument).
+      ValueError: on mismatched shapes or a non-floating q, k, v, g, beta (the message names the argument).
 
     Source: Kimi Linear (arXiv 2510.26692) Eq. 1; matches fla `naive_recurrent_kda`. Gradients are by
     autodiff through a scan rematerialised every 64 tokens (memory T/64 states).

@@ -26,6 +26,12 @@ Balancing methods (one interface, :class:`BalancingConfig` + :func:`balance`):
 Everything that is a score, a statistic or a bias is computed in fp32. Functions that aggregate over
 tokens take ``axis_names``: when called inside ``jax.shard_map`` with tokens sharded over those mesh
 axes, counts/histograms are ``jax.lax.psum``-ed over them so every device sees the global statistic.
+
+Input checks: shapes, dtypes and static arguments raise ``ValueError`` naming the argument. Values of
+arrays (NaN scores, expert ids outside [0, E)) cannot raise inside ``jit``; :func:`route` and
+:func:`expert_loads` take ``check_values=True`` to add ``jax.experimental.checkify`` checks for them
+(eagerly they raise ``JaxRuntimeError``, a ``ValueError``, at once; under ``jit`` wrap the caller with
+``checkify.checkify`` and call ``err.throw()``; a jitted call that is not functionalised fails to trace).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCING_METHODS = ("none", "aux_loss", "seq_aux_loss", "loss_free", "quantile", "quantile_threshold")
@@ -129,6 +136,30 @@ def _check_bias(bias: jax.Array, num_experts: int) -> None:
         raise ValueError(f"bias must be [E] with E={num_experts}; got {bias.shape=}")
 
 
+def _check_routing(routing: Routing, num_tokens: int, num_experts: int) -> None:
+    """``routing`` must describe the same N tokens as the scores it is used with (static shapes)."""
+    ids = routing.expert_ids
+    if ids.ndim != 2 or ids.shape[0] != num_tokens:
+        raise ValueError(f"routing.expert_ids must be [N, k] with N={num_tokens} (the scores' tokens); "
+                         f"got routing.expert_ids.shape={ids.shape}")
+    if not 1 <= ids.shape[1] <= num_experts:
+        raise ValueError(f"routing.expert_ids must be [N, k] with 1 <= k <= E={num_experts}; "
+                         f"got routing.expert_ids.shape={ids.shape}")
+    for name in ("weights", "diverted"):
+        x = getattr(routing, name)
+        if x is not None and x.shape != ids.shape:
+            raise ValueError(f"routing.{name} must be [N, k] = {ids.shape}; got routing.{name}.shape={x.shape}")
+    if routing.cutoff is not None and routing.cutoff.shape != (num_tokens,):
+        raise ValueError(f"routing.cutoff must be [N] with N={num_tokens}; got routing.cutoff.shape="
+                         f"{routing.cutoff.shape}")
+
+
+def _check_finite(x: jax.Array, name: str, where: str) -> None:
+    """checkify check that every value of ``x`` is finite (message names ``where`` and ``name``)."""
+    bad = jnp.sum(~jnp.isfinite(x))
+    checkify.check(bad == 0, f"{where}: {name} must be finite; got {{bad}} NaN/inf values of {x.size}", bad=bad)
+
+
 def _gate_weights(
     scores: jax.Array, expert_ids: jax.Array, routed_scaling_factor: float, renormalize: bool
 ) -> jax.Array:
@@ -146,6 +177,7 @@ def route(
     score_func: str = "softmax",
     routed_scaling_factor: float = 1.0,
     renormalize: bool = True,
+    check_values: bool = False,
 ) -> Routing:
     """Top-k expert selection on biased scores; gate weights from the unbiased scores.
 
@@ -167,24 +199,32 @@ def route(
       score_func: ``"softmax"`` or ``"sigmoid"`` (validated; both use the rule above).
       routed_scaling_factor: multiplies the gate weights (DeepSeek-V3 / Kimi K2 use 2.5-2.8).
       renormalize: divide the selected scores by their sum (see above).
+      check_values: add ``checkify`` checks that ``scores`` and ``bias`` are finite (NaN scores make
+        the selection arbitrary and the weights NaN; module docstring: how to run them under jit).
 
     Returns:
       :class:`Routing` with ``expert_ids [N, k]`` int32, ``weights [N, k]`` fp32 and ``cutoff [N]``
       fp32 (the (k+1)-th biased score, ``None`` if ``k == E``).
 
     Raises:
-      ValueError: bad shapes, ``top_k`` out of range or unknown ``score_func``.
+      ValueError: bad shapes, ``top_k`` not an int in [1, E] or unknown ``score_func``;
+        ``JaxRuntimeError`` (a ValueError) from the value checks with ``check_values=True``.
     """
     _check_scores(scores)
     num_experts = scores.shape[-1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, E={num_experts}]; got {top_k=}")
+    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, E={num_experts}]; got {top_k=}")
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}; got {score_func=}")
+    if bias is not None:
+        _check_bias(bias, num_experts)
+    if check_values:
+        _check_finite(scores, "scores", "route")
+        if bias is not None:
+            _check_finite(bias, "bias", "route")
     scores = scores.astype(jnp.float32)
     biased = scores
     if bias is not None:
-        _check_bias(bias, num_experts)
         biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
     biased = jax.lax.stop_gradient(biased)
     kk = min(top_k + 1, num_experts)
@@ -227,23 +267,37 @@ def expert_loads(
     *,
     token_mask: jax.Array | None = None,
     axis_names: Sequence[str] = (),
+    check_values: bool = False,
 ) -> jax.Array:
     """Number of (token, slot) assignments per expert.
 
     Args:
-      expert_ids: ``[N, k]`` int expert indices.
+      expert_ids: ``[N, k]`` int expert indices, each in [0, E): an id outside it counts for no
+        expert (``jax.nn.one_hot``), so ``check_values=True`` is the way to catch one.
       num_experts: E.
       token_mask: ``[N]`` bool, False for padding tokens (they are not counted); None = all count.
       axis_names: mesh axes the tokens are sharded over (psum inside ``shard_map``).
+      check_values: add a ``checkify`` check that every id of a counted token is in [0, E) (module
+        docstring: how to run it under jit).
 
     Returns:
       ``[E]`` fp32 loads L_j (exact integers below 2^24); ``Σ_j L_j = k · (valid tokens)``.
 
     Raises:
-      ValueError: ``expert_ids`` not rank 2 or ``token_mask`` of the wrong shape.
+      ValueError: ``expert_ids`` not rank 2 or not of an integer dtype, ``num_experts`` not an int >= 1,
+        ``token_mask`` of the wrong shape; ``JaxRuntimeError`` (a ValueError) from the value check.
     """
     if expert_ids.ndim != 2:
         raise ValueError(f"expert_ids must be [N, k]; got {expert_ids.shape=}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids must have an integer dtype; got {expert_ids.dtype=}")
+    if not _is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1; got {num_experts=}")
+    if check_values:
+        valid = _token_mask(token_mask, expert_ids.shape[0])[:, None]
+        bad = jnp.sum(valid & ((expert_ids < 0) | (expert_ids >= num_experts)))
+        checkify.check(bad == 0, f"expert_loads: expert_ids must be in [0, num_experts={num_experts}); got "
+                       "{bad} ids outside it (max id {top})", bad=bad, top=jnp.max(expert_ids))
     mask = _token_mask(token_mask, expert_ids.shape[0])
     one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)  # [N, k, E]
     loads = jnp.sum(one_hot * mask[:, None, None].astype(jnp.float32), axis=(0, 1))
@@ -436,11 +490,20 @@ def loss_free_update(loads: jax.Array, gamma: float = 1e-3) -> jax.Array:
 
     Args:
       loads: ``[E]`` GLOBAL loads of the current step (psum'ed over all token-sharded axes).
-      gamma: update rate γ (paper: 1e-3).
+      gamma: update rate γ >= 0 (paper: 1e-3); a Python/numpy number is checked, a jax array is not.
+
+    Raises:
+      ValueError: ``gamma`` a number that is negative, NaN or inf.
     """
+    _check_gamma(gamma, "gamma")
     loads = jnp.asarray(loads, jnp.float32)
     delta = jnp.float32(gamma) * jnp.sign(jnp.mean(loads) - loads)
     return delta - jnp.mean(delta)
+
+
+def _check_gamma(gamma, name: str) -> None:
+    if isinstance(gamma, numbers.Real) and not (math.isfinite(gamma) and gamma >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0; got {name}={gamma!r}")
 
 
 def quantile_margins(scores: jax.Array, routing: Routing, bias: jax.Array | None = None) -> jax.Array:
@@ -458,10 +521,12 @@ def quantile_margins(scores: jax.Array, routing: Routing, bias: jax.Array | None
       ``[N, E]`` fp32 margins (no gradient).
 
     Raises:
-      ValueError: ``routing.cutoff`` is None (k == E: nothing to balance).
+      ValueError: ``routing.cutoff`` is None (k == E: nothing to balance), or ``routing`` is not for
+        the N tokens of ``scores``.
     """
     del bias
     _check_scores(scores)
+    _check_routing(routing, *scores.shape)
     if routing.cutoff is None:
         raise ValueError("quantile balancing needs top_k < E (routing.cutoff is None)")
     r = routing.cutoff[:, None].astype(jnp.float32) - scores.astype(jnp.float32)
@@ -602,10 +667,14 @@ def quantile_bias(
       ``[E]`` fp32 bias for the NEXT step (zero-mean when ``center``).
 
     Raises:
-      ValueError: unknown estimator, bad shapes, ``histogram_bins < 1``, ``histogram_passes`` not 1 or 2.
+      ValueError: ``top_k`` not an int in [1, E), unknown estimator, bad shapes, ``histogram_bins < 1``,
+        ``histogram_passes`` not 1 or 2.
     """
     _check_scores(margins, "margins")
     num_tokens, num_experts = margins.shape
+    if not _is_int(top_k) or not 1 <= top_k < num_experts:
+        raise ValueError(f"top_k must be an int in [1, E={num_experts}) (level top_k / E of the quantile); "
+                         f"got {top_k=}")
     _check_bias(bias, num_experts)
     if estimator not in QUANTILE_ESTIMATORS:
         raise ValueError(f"estimator must be one of {QUANTILE_ESTIMATORS}; got {estimator=}")
@@ -845,9 +914,9 @@ class BalancingConfig:
 
     Attributes:
       method: one of ``BALANCING_METHODS``.
-      aux_loss_alpha: α of ``"aux_loss"`` / ``"seq_aux_loss"``; None = 1e-2 (Switch) / 1e-4
+      aux_loss_alpha: α >= 0 of ``"aux_loss"`` / ``"seq_aux_loss"``; None = 1e-2 (Switch) / 1e-4
         (DeepSeek-V3 sequence-wise).
-      loss_free_gamma: γ of ``"loss_free"`` (1e-3).
+      loss_free_gamma: γ >= 0 of ``"loss_free"`` (1e-3).
       quantile_estimator: ``"exact"`` or ``"histogram"`` for ``"quantile"``.
       histogram_bins: bins of the histogram estimator (K3: 1000).
       histogram_passes: 1 (K3) or 2 (a refinement histogram inside the quantile's bin: bins² resolution).
@@ -882,6 +951,9 @@ class BalancingConfig:
     def __post_init__(self):
         if self.method not in BALANCING_METHODS:
             raise ValueError(f"method must be one of {BALANCING_METHODS}; got method={self.method!r}")
+        _check_gamma(self.loss_free_gamma, "loss_free_gamma")
+        if self.aux_loss_alpha is not None:
+            _check_gamma(self.aux_loss_alpha, "aux_loss_alpha")
         if self.quantile_estimator not in QUANTILE_ESTIMATORS:
             raise ValueError(
                 f"quantile_estimator must be one of {QUANTILE_ESTIMATORS}; got {self.quantile_estimator=}"
@@ -975,11 +1047,13 @@ def balance(
       :class:`BalanceOutput`.
 
     Raises:
-      ValueError: missing ``sequence_length`` / ``state`` / ``demand_loads`` for the method, bad shapes.
+      ValueError: missing ``sequence_length`` / ``state`` / ``demand_loads`` for the method, bad shapes
+        (``routing`` for other tokens than ``scores``).
     """
     _check_scores(scores)
     num_tokens, num_experts = scores.shape
     _check_bias(bias, num_experts)
+    _check_routing(routing, num_tokens, num_experts)
     bias = jnp.asarray(bias, jnp.float32)
     loads = expert_loads(routing.expert_ids, num_experts, token_mask=token_mask, axis_names=axis_names)
     stats = load_stats(loads)

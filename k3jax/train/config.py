@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from k3jax.data.corpus import check_source
 from k3jax.models.config import ModelConfig
 
 
@@ -16,7 +17,9 @@ class DataConfig:
     """Where tokens come from and how they are batched.
 
     Attributes:
-      source: "python-stdlib" | "text:<glob>" | "tokens:<path>" | "hf:<dataset>[:<field>]".
+      source: "python-stdlib" | "text:<glob>" | "tokens:<path>" | "hf:<dataset>[:<field>]"; checked
+        when built (`k3jax.data.corpus.check_source`: a glob that matches no file, a missing token
+        file or folder raise here, not at the first corpus load).
       seq_len: tokens per training sequence T.
       batch_size: sequences per step B.
       cache_dir: corpus cache folder ("" = $K3JAX_CACHE or ~/.cache/k3jax).
@@ -34,6 +37,10 @@ class DataConfig:
         if self.source != "python-stdlib" and kind not in ("text", "tokens", "hf"):
             raise ValueError(f"data.source: unknown corpus {self.source!r}; expected python-stdlib, "
                              "text:<glob>, tokens:<path> or hf:<dataset>")
+        try:
+            check_source(self.source)
+        except ValueError as e:
+            raise ValueError(f"data.source: {e}") from e
         for name in ("seq_len", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -48,7 +55,7 @@ class TrainConfig:
       steps: total optimizer steps.
       learning_rate: peak AdamW learning rate after linear warmup; cosine decay to
         `learning_rate * min_lr_ratio` at `steps`.
-      warmup_steps, min_lr_ratio, weight_decay (not applied to 1-D params), b1, b2, grad_clip (global norm).
+      warmup_steps (<= steps), min_lr_ratio, weight_decay (not applied to 1-D params), b1, b2, grad_clip (global norm).
       eval_every: evaluate every N steps (and at the end); eval_batches: batches in the fixed slice.
       log_every: JSONL/TensorBoard cadence.
       checkpoint_every: save every N steps (and at the end and on SIGTERM); keep_checkpoints: last K kept.
@@ -84,6 +91,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"train.{name} must be a non-negative int, got {value!r}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps must be <= train.steps={self.steps} (lower it with steps), "
+                             f"got {self.warmup_steps!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -97,7 +107,10 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything one training run needs. `workdir` holds checkpoints, metrics.jsonl and TensorBoard logs."""
+    """Everything one training run needs. `workdir` holds checkpoints, metrics.jsonl and TensorBoard logs.
+
+    `seed` (an int in [0, 2**32), the data loader's shuffle-seed range) seeds parameters and data order.
+    """
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -108,8 +121,8 @@ class RunConfig:
     def __post_init__(self):
         if not self.workdir:
             raise ValueError("workdir must be a non-empty path")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
 
 
 def _build(cls, section: str, values: Mapping[str, Any]):

@@ -1,13 +1,20 @@
-"""Jitted train and eval steps (flax NNX). Loss in nats per predicted token; fp32 cross-entropy."""
+"""Jitted train and eval steps (flax NNX). Loss in nats per predicted token; fp32 cross-entropy.
+
+The train step also returns where a non-finite value first appeared (one bool per sublayer output and
+per parameter group, names from `finiteness_names`), so that a skipped step can say which layer
+produced it (`nonfinite_report`).
+"""
 from __future__ import annotations
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from k3jax.models.config import MIXERS
 from k3jax.models.lm import LanguageModel
 
 
@@ -24,13 +31,88 @@ def masked_cross_entropy(logits, targets, loss_mask):
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
+def _all_finite(x) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(x)] or [jnp.bool_(True)]))
+
+
 def _forward_loss(model: LanguageModel, batch, train: bool):
-    logits, aux = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                        train=train)
+    logits, aux, depth = model.forward(batch["inputs"], segment_ids=batch["segment_ids"],
+                                       positions=batch["positions"], train=train)
     nats, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     ce = nats / jnp.maximum(count, 1.0)
     balance = sum((a["loss"] for a in aux["moe"]), jnp.zeros((), jnp.float32))
-    return ce + balance, (ce, nats, count, aux)
+    loss = ce + balance
+    # One bool per probe, in forward order: the stream after the embedding (= sublayer 0's input), after
+    # each sublayer, the logits, the loss (the activation names of `finiteness_names`).
+    probes = (*depth.sublayer_inputs, depth.hidden, logits, loss)
+    finite = jnp.stack([_all_finite(jax.lax.stop_gradient(x)) for x in probes])
+    return loss, (ce, nats, count, aux, finite)
+
+
+def _param_groups(params: dict) -> dict:
+    """Parameter pure dict -> {"embed": ..., "mixers/0": ..., "ffns/1": ...}: top-level modules, list
+    entries one by one (names sorted, the order of the train step's `finite_grads`)."""
+    groups = {}
+    for top, sub in params.items():
+        if isinstance(sub, dict) and sub and all(str(k).isdigit() for k in sub):
+            groups.update({f"{top}/{i}": v for i, v in sub.items()})
+        else:
+            groups[str(top)] = sub
+    return dict(sorted(groups.items()))
+
+
+def finiteness_names(model: LanguageModel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Names of the train step's `finite_activations` and `finite_grads` entries.
+
+    Activations: entry i says the stream was finite after module i ran: "embed", then each sublayer
+    ("mixers/0 (kda)", "ffns/0 (mlp)", ...), then "final_norm/head" (the logits) and "loss" (cross-entropy
+    plus balance losses). Gradients: the parameter groups of `_param_groups`, sorted by name.
+    """
+    cfg = model.cfg
+    sublayers = []
+    for layer, letter in enumerate(cfg.layer_mixers):
+        sublayers += [f"mixers/{layer} ({MIXERS[letter]})", f"ffns/{layer} ({cfg.ffn})"]
+    activations = ("embed", *sublayers, "final_norm/head", "loss")
+    grads = tuple(_param_groups(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    return activations, grads
+
+
+def _depth_rank(group: str, num_layers: int) -> float:
+    """Forward position of a parameter group (embed first, head last) for ordering a report."""
+    top, _, index = group.partition("/")
+    within = {"mixer_norms": 0.1, "mixers": 0.2, "ffn_norms": 0.6, "ffns": 0.7}
+    if top == "embed":
+        return -1.0
+    if top in within and index.isdigit():
+        return int(index) + within[top]
+    if top == "depth_mixes" and index.isdigit():  # mix i feeds sublayer i (2L: the final mix)
+        return int(index) / 2
+    if top in ("final_norm", "head"):
+        return num_layers + (0.5 if top == "final_norm" else 0.6)
+    return float(num_layers)
+
+
+def nonfinite_report(model: LanguageModel, metrics: dict) -> str:
+    """One line saying where the non-finite values of a train step came from.
+
+    The first module after which the forward stream was non-finite ("first non-finite activation after
+    mixers/1 (kda); non-finite gradients in 11 of 11 parameter groups"); if the forward was finite, the
+    parameter groups whose gradients were not, deepest first (a NaN born in the backward pass spreads to
+    every layer below it, so the deepest one is where it started). `metrics`: the train step's output
+    on the host.
+    """
+    activations, groups = finiteness_names(model)
+    acts = np.asarray(metrics["finite_activations"], bool)
+    grads = np.asarray(metrics["finite_grads"], bool)
+    bad_groups = sorted((g for g, ok in zip(groups, grads) if not ok),
+                        key=lambda g: -_depth_rank(g, model.cfg.num_layers))
+    counted = f"non-finite gradients in {len(bad_groups)} of {len(groups)} parameter groups"
+    if not acts.all():  # then the backward spreads it everywhere: the gradients only get counted
+        return f"first non-finite activation after {activations[int(np.argmin(acts))]}; {counted}"
+    if not bad_groups:
+        return "forward finite; gradients finite"
+    shown = ", ".join(bad_groups[:4]) + (", ..." if len(bad_groups) > 4 else "")
+    return f"forward finite; {counted}, deepest first: {shown}"
 
 
 def _moe_layers(model: LanguageModel):
@@ -40,13 +122,15 @@ def _moe_layers(model: LanguageModel):
 @nnx.jit
 def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
     """One optimizer step. Returns fp32 metrics: loss (total), ce (nats/token), grad_norm, finite flag,
-    consecutive non-finite count, and per-MoE-layer balance statistics.
+    consecutive non-finite count, per-MoE-layer balance statistics, and where non-finite values appeared:
+    `finite_activations` bool [2L + 3] and `finite_grads` bool [parameter groups] (names:
+    `finiteness_names`; `nonfinite_report` turns them into a line).
 
     MoE router biases (non-trainable `RouterBias` variables) receive the `next_bias` the layers return,
     only when the step was finite; the optimizer never touches them (it updates `nnx.Param` only).
     """
     grad_fn = nnx.value_and_grad(lambda m: _forward_loss(m, batch, True), has_aux=True)
-    (loss, (ce, _, _, aux)), grads = grad_fn(model)
+    (loss, (ce, _, _, aux, finite_activations)), grads = grad_fn(model)
     optimizer.update(model, grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
     for ffn, layer_aux in zip(_moe_layers(model), aux["moe"]):
@@ -54,8 +138,10 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
         if layer_aux.get("next_state") is not None and ffn.balancing_state is not None:
             ffn.balancing_state.set_value(jax.tree.map(lambda n, o: jnp.where(finite, n, o),
                                                        layer_aux["next_state"], ffn.balancing_state.get_value()))
+    finite_grads = jnp.stack([_all_finite(g) for g in _param_groups(nnx.to_pure_dict(grads)).values()])
     metrics = {"loss": loss, "ce": ce, "grad_norm": optax.global_norm(grads), "finite": finite,
-               "nonfinite_count": optimizer.opt_state.notfinite_count}
+               "nonfinite_count": optimizer.opt_state.notfinite_count,
+               "finite_activations": finite_activations, "finite_grads": finite_grads}
     for i, layer_aux in enumerate(aux["moe"]):
         for name, value in layer_aux.get("stats", {}).items():
             if jnp.ndim(value) == 0:
@@ -66,7 +152,7 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
 @nnx.jit
 def eval_step(model: LanguageModel, batch):
     """Summed nats, predicted-token count and byte-target count on one batch (no state changes)."""
-    _, (_, nats, count, aux) = _forward_loss(model, batch, False)
+    _, (_, nats, count, aux, _) = _forward_loss(model, batch, False)
     is_byte = (batch["targets"] < 256) & batch["loss_mask"]
     loads = [a["stats"]["loads"] for a in aux["moe"] if "loads" in a.get("stats", {})]
     return {"nats": nats, "count": count, "bytes": jnp.sum(is_byte.astype(jnp.float32)), "loads": loads}

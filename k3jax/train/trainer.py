@@ -2,7 +2,9 @@
 
 `train(cfg)` resumes from the latest checkpoint in `cfg.workdir` when there is one (same data position,
 same optimizer state), saves every `checkpoint_every` steps, at the end, and when the process gets
-SIGTERM, then returns a summary dict.
+SIGTERM, then returns a summary dict. A damaged newest checkpoint is moved aside to `<step>.corrupt`
+and the run resumes from the newest readable one, saying so in one warning line
+(`Checkpointer.restore_latest`).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.config import RunConfig
 from k3jax.train.metrics import MetricsWriter
 from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
-from k3jax.train.step import bits_per_byte, eval_step, train_step
+from k3jax.train.step import bits_per_byte, eval_step, nonfinite_report, train_step
 
 log = logging.getLogger("k3jax")
 
 
 class NonFiniteError(RuntimeError):
-    """Raised when `max_nonfinite_steps` consecutive updates were skipped for inf/NaN gradients."""
+    """Raised when `max_nonfinite_steps` consecutive updates were skipped for inf/NaN gradients; the
+    message says which layer first produced a non-finite value (`k3jax.train.step.nonfinite_report`)."""
 
 
 class _Sigterm:
@@ -96,18 +99,28 @@ def sample_text(model, cfg: RunConfig, *, seed: int) -> str:
 
 
 def load_trained_model(cfg: RunConfig, *, step: int | None = None) -> tuple[LanguageModel, int]:
-    """The model of `cfg.workdir`'s checkpoint `step` (default: latest) and that step.
+    """The model of `cfg.workdir`'s checkpoint `step` (default: the newest readable one) and that step.
+
+    With `step=None` a damaged newest checkpoint is skipped with a warning line and left in place (the
+    training run moves it aside when it resumes).
 
     Raises:
       FileNotFoundError: when the workdir holds no checkpoint.
+      ValueError: the checkpoint (or, with step=None, every checkpoint) cannot be read, or it was
+        written for another model config.
     """
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    ckpt.restore_model(step, model)
-    ckpt.close()
+    try:
+        if step is None:
+            meta = ckpt.restore_latest(model, move_aside=False)
+            if meta is None:
+                raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
+            step = int(meta["step"])
+        else:
+            ckpt.restore_model(step, model)
+    finally:
+        ckpt.close()
     return model, step
 
 
@@ -120,9 +133,14 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     `time_budget_s` does the same once this call has run that many wall-clock seconds (checked after
     each step; the summary's "step" says where it stopped).
 
+    A skipped (non-finite) update logs one warning line naming the first layer whose output was
+    non-finite (or, for a finite forward, the deepest parameter group with non-finite gradients).
+
     Raises:
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
-        of the last good state is written first).
+        of the last good state is written first; the message names the layer as above).
+      ValueError: the workdir holds checkpoints but none is readable, or they were written for another
+        model/optimizer config (`Checkpointer.restore_latest`).
     """
     t_start = time.time()
     cache_dir = cfg.data.cache_dir or None
@@ -140,11 +158,9 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     val_batches = eval_batches(val_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                max_batches=cfg.train.eval_batches)
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
-    start_step = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        meta = ckpt.restore(latest, model, optimizer, data_iter)
-        start_step = int(meta["step"])
+    meta = ckpt.restore_latest(model, optimizer, data_iter)  # None: a fresh run
+    latest = None if meta is None else int(meta["step"])
+    start_step = latest or 0
     writer = MetricsWriter(cfg.workdir, resume_step=start_step if latest is not None else None)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -179,9 +195,16 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
             tok_s = timed_tokens / timed_seconds if timed_seconds else 0.0
             bar.update(1)
             bar.set_postfix(loss=f"{float(metrics['ce']):.3f}", tok_s=f"{tok_s:,.0f}")
-            if int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps:
-                ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
-                raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step {step}")
+            stop = int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps
+            if not bool(metrics["finite"]) or stop:
+                where = nonfinite_report(model, metrics)
+                log.warning("step %d: non-finite step, update skipped (loss %s, grad_norm %s; %d in a row): %s",
+                            step, float(metrics["loss"]), float(metrics["grad_norm"]),
+                            int(metrics["nonfinite_count"]), where)
+                if stop:
+                    ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                    raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step "
+                                         f"{step}: {where}")
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 scalars = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
                 scalars.update(lr=float(schedule(step - 1)), tokens_per_s=tok_s, tokens=step * tokens_per_step)
