@@ -82,7 +82,7 @@ def kda_gate_init(A_log_key, dt_key, num_heads: int, head_dim: int, *, dtype=jnp
 
 def _pallas_covers(q, k, v, g, beta, *, lower_bound, segment_ids, chunk_size, initial_state, interpret) -> bool:
     """Whether implementation=None runs the Pallas kernel: only where its GPU tests ran (a CUDA
-    device of compute capability 9.0: the H200 of tests/test_kda_pallas.py -m gpu), compiled, and
+    device of compute capability 9.0: the H200 of tests/pallas_kernels -m gpu), compiled, and
     for calls `supported` accepts. On the H200 the kernels measured 5.9x / 3.7x faster than the
     chunked op forward / forward+backward at 8x4096x16x128 bf16 (2026-12-01, before the round-12
     reorder of the Hopper passes' loads; experiments/results/kda_h200.md)."""

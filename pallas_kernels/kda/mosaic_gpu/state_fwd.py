@@ -19,7 +19,6 @@ warpgroup's wgmma).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -5,7 +5,7 @@ within fp32-summation-order rounding of the Triton kernel (same bf16 operand rou
 interpreter's SMEM race detector over each Mosaic GPU kernel; bad input refused; each kernel lowered
 for CUDA. The Triton cumsum against XLA's. `TestStagesGPU` (marker gpu) compares the compiled kernels
 at benchmark shapes on the H200. Through the op, every stage is held to the recurrence in
-tests/test_kda_pallas.py.
+test_api.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pallas KDA kernels (pallas_kernels.kda) through the op, both backends, against the fp32 recurrence.
 
-`PallasKDATests` subclasses the shared `KDAImplementationTests` (tests/test_kda_ops.py): the same
+`PallasKDATests` subclasses the shared `KDAImplementationTests` (tests/kda_shared_tests.py): the same
 comparisons with fla's tolerances (bf16: o and final state 0.005, dq/dk/dv/dh0 0.008, dg/dbeta 0.02;
 fp32: FP32_TOLERANCE), including every gradient at loss scales 2^-27 .. 2^20 with gates at the bound,
 and adds the kernels' own: unbounded gates, packed documents through the sequence split, a state
@@ -9,7 +9,7 @@ carried across all chunks. One subclass per backend in interpret mode on CPU (CI
 64 or 128); `TestTritonGPU` and `TestMosaicGPU` (marker gpu) run compiled on the H200 at K = V = 128
 and T up to 8192. `TestSupported` / `TestPlan`: what is refused and why, which kernel runs each
 stage. `TestLowering`: forward and gradient lower for CUDA on a CPU host with a faked H200 (kernel
-names and counts). Per-stage kernel tests: tests/test_kda_pallas_stages.py.
+names and counts). Per-stage kernel tests: test_stages.py.
 """
 import contextlib
 from unittest import mock
@@ -25,7 +25,7 @@ from k3jax.ops.kda_reference import l2_normalize
 from pallas_kernels.kda import plan as plan_lib
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES, assert_rms_close,
                                kda_loss_and_grads, make_kda_inputs, rms_ratio)
-from tests.test_kda_ops import KDAImplementationTests
+from tests.kda_shared_tests import KDAImplementationTests
 
 INTERPRET_SHAPES = [FLA_SHAPES[0], FLA_SHAPES[1]]          # (1, 63, 1, 64), (2, 500, 3, 60)
 GPU_SHAPES = [FLA_SHAPES[4], (1, 8192, 2, 128)]            # (4, 1024, 4, 128), bf16
