@@ -183,7 +183,7 @@ def _layer_rows(results):
     from flax import nnx
     from k3jax.nn.moe import MoEFeedForward
     from k3jax.ops import dispatch
-    from k3jax.ops.routing import BalancingConfig
+    from k3jax.ops.balancing import QuantileBalancing
     tokens, d, f, e, k = (x.value for x in (_LAYER_TOKENS, _LAYER_D, _LAYER_F, _LAYER_E, _LAYER_K))
     results["layer_shape"] = dict(tokens=tokens, d_model=d, d_ff=f, experts=e, top_k=k)
     x = jax.random.normal(jax.random.key(3), (1, tokens, d), jnp.bfloat16)
@@ -197,7 +197,7 @@ def _layer_rows(results):
         resolved = dispatch.default_grouped_matmul(*probe) if name is None else name
         row = dict(impl=impl, resolved=resolved)
         try:
-            layer = MoEFeedForward(d, f, e, k, balancing=BalancingConfig(method="quantile"),
+            layer = MoEFeedForward(d, f, e, k, balancing=QuantileBalancing(),
                                    dispatch_implementation=name, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
             graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 

@@ -33,7 +33,7 @@ _D = flags.DEFINE_integer("d_model", 2048, "Model width D.")
 _F = flags.DEFINE_integer("d_ff", 1024, "Hidden width of one expert.")
 _E = flags.DEFINE_integer("experts", 64, "Routed experts; must divide by the expert axis.")
 _K = flags.DEFINE_integer("top_k", 8, "Experts per token.")
-_BALANCING = flags.DEFINE_string("balancing", "quantile", "Balancing method (k3jax.ops.routing).")
+_BALANCING = flags.DEFINE_string("balancing", "quantile", "Balancing method (k3jax.ops.balancing.METHODS).")
 _IMPL = flags.DEFINE_string("dispatch_implementation", None, "Grouped matmul (None = default for the call).")
 _DATA = flags.DEFINE_integer("data", 1, "Size of the data axis; the expert axis gets the rest of the devices.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per measurement (median reported).")
@@ -57,7 +57,7 @@ def main(argv):
     from k3jax import sharding as S
     from k3jax.nn.moe import MoEFeedForward
     from k3jax.ops import dispatch
-    from k3jax.ops.routing import BalancingConfig
+    from k3jax.ops.balancing import balancing_config
 
     devices = jax.devices()
     n_dev = len(devices)
@@ -69,7 +69,7 @@ def main(argv):
     mesh = S.make_mesh(_DATA.value, n_dev // _DATA.value)
     batch, seq = _BATCH.value, _TOKENS.value // _BATCH.value
     d, f, e, k = _D.value, _F.value, _E.value, _K.value
-    kw = dict(balancing=BalancingConfig(method=_BALANCING.value), dispatch_implementation=_IMPL.value,
+    kw = dict(balancing=balancing_config(_BALANCING.value), dispatch_implementation=_IMPL.value,
               dtype=jnp.bfloat16)
     ref = MoEFeedForward(d, f, e, k, rngs=nnx.Rngs(0), **kw)
     ep = MoEFeedForward(d, f, e, k, rngs=nnx.Rngs(0), mesh=mesh, **kw)

@@ -4,8 +4,8 @@ No model is trained. A synthetic router stands in for the MoE LM's: E = 32 exper
 scores of logits ``scale · (x @ W)`` with ``W ~ N(0, 1/d)`` (so ``x @ W`` has unit variance per
 expert) and tokens ``x = mu + z``: ``z ~ N(0, I_d)`` and a fixed popularity direction ``mu``
 (``|mu| = popularity``) that gives every expert its own mean logit, so the unbiased router is
-imbalanced like a trained one. Everything goes through ``k3jax.ops.routing``'s public functions
-(``router_scores``, ``route``, ``balance`` with ``BalancingConfig(method="quantile", ...)``,
+imbalanced like a trained one. Everything goes through public functions of ``k3jax.ops``
+(``router_scores``, ``route``, ``balance`` with ``QuantileBalancing(...)``,
 ``expert_loads``, ``max_vio``). MaxVio is always measured on the batch routed with the bias that was
 computed on the PREVIOUS batch (the causal protocol of training), except in part (1).
 
@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from k3jax.ops import balance_metrics as M
+from k3jax.ops import balancing as B
+from k3jax.ops import quantile as Q
 from k3jax.ops import routing as R
 
 
@@ -93,13 +96,13 @@ def draw_tokens(key, n, mu, rho=0.0, docs=1):
 
 def max_vio_of(scores, bias, top_k):
     r = R.route(scores, bias, top_k)
-    return R.max_vio(R.expert_loads(r.expert_ids, scores.shape[-1]))
+    return M.max_vio(M.expert_loads(r.expert_ids, scores.shape[-1]))
 
 
 def qb_next(cfg, scores, bias, top_k):
     """One Quantile Balancing update through the public interface (``balance``)."""
     r = R.route(scores, bias, top_k)
-    return R.balance(cfg, scores, r, bias).next_bias
+    return B.balance(cfg, scores, r, bias).next_bias
 
 
 # ------------------------------------------------------------------------------------------ (1)
@@ -112,7 +115,7 @@ def fixed_point(router, key, n, top_k, iters=8, resolution=True):
     out = {}
     b_rand = 0.05 * jax.random.normal(jax.random.fold_in(key, 1), (E,))
     for est in ("exact", "histogram"):
-        cfg = R.BalancingConfig(method="quantile", quantile_estimator=est)
+        cfg = B.QuantileBalancing(quantile_estimator=est)
         step = jax.jit(lambda b: qb_next(cfg, s, b, top_k))
         for start, b0 in (("zero", jnp.zeros(E)), ("random", b_rand)):
             b, vios = b0, [float(max_vio_of(s, b0, top_k))]
@@ -123,8 +126,8 @@ def fixed_point(router, key, n, top_k, iters=8, resolution=True):
     # Why one step is not exact from b = 0: b̂ admits exactly q tokens only at FIXED cutoffs α_i;
     # moving all biases at once moves the cutoffs. Count admitted tokens at the old cutoffs.
     r0 = R.route(s, jnp.zeros(E), top_k)
-    m = R.quantile_margins(s, r0)
-    b_hat = R.quantile_bias(m, top_k, bias=jnp.zeros(E), center=False)
+    m = Q.quantile_margins(s, r0)
+    b_hat = Q.quantile_bias(m, top_k, bias=jnp.zeros(E), center=False)
     admitted = np.asarray(jnp.sum(m < b_hat[None, :], axis=0))
     out["admitted_at_fixed_cutoffs_min_max"] = [int(admitted.min()), int(admitted.max())]
     out["q"] = n * top_k // E
@@ -146,16 +149,16 @@ def histogram_resolution(scores, top_k, iters=8, bins=1000, fine_bins=100_000):
     (bin width of ``quantile_bias``'s range ``[min b - 1, max b + 1]`` with ``bins`` bins), and the
     same-batch MaxVio that ``fine_bins`` bins reach after ``iters`` iterations."""
     E = scores.shape[-1]
-    cfg = R.BalancingConfig(method="quantile")
+    cfg = B.QuantileBalancing()
     step = jax.jit(lambda b: qb_next(cfg, scores, b, top_k))
     b = jnp.zeros(E)
     for _ in range(iters):
         b = step(b)
-    m = R.quantile_margins(scores, R.route(scores, b, top_k))
-    b_hat = R.quantile_bias(m, top_k, bias=b, center=False)
+    m = Q.quantile_margins(scores, R.route(scores, b, top_k))
+    b_hat = Q.quantile_bias(m, top_k, bias=b, center=False)
     width = float(jnp.max(b) - jnp.min(b) + 2.0) / bins
     in_bin = np.asarray(jnp.sum(jnp.abs(m - b_hat[None, :]) < width / 2, axis=0))
-    fine = R.BalancingConfig(method="quantile", quantile_estimator="histogram", histogram_bins=fine_bins)
+    fine = B.QuantileBalancing(quantile_estimator="histogram", histogram_bins=fine_bins)
     step_f = jax.jit(lambda b: qb_next(fine, scores, b, top_k))
     b = jnp.zeros(E)
     for _ in range(iters):
@@ -180,8 +183,8 @@ def per_expert_margin_bias(scores, bias, top_k):
 # ------------------------------------------------------------------------------------------ stream
 def make_stream(n, top_k, estimator, ema, inner_iters, docs, steps, scale):
     """Jitted ``run(W, mu, eta, rho, key) -> (per-step next-batch MaxVio [steps], final bias, final W)``."""
-    cfg = R.BalancingConfig(method="quantile", quantile_estimator=estimator, ema=ema)
-    cfg_plain = R.BalancingConfig(method="quantile", quantile_estimator=estimator)
+    cfg = B.QuantileBalancing(quantile_estimator=estimator, ema=ema)
+    cfg_plain = B.QuantileBalancing(quantile_estimator=estimator)
 
     def body(carry, key):
         W, b, mu, eta, rho = carry
@@ -208,8 +211,8 @@ def pooled_vio(W, mu, b, key, n, top_k, scale, rho, docs, batches=8):
     loads = 0.0
     for i in range(batches):
         s = scores_of(draw_tokens(jax.random.fold_in(key, i), n, mu, rho, docs), W, scale)
-        loads = loads + R.expert_loads(R.route(s, b, top_k).expert_ids, s.shape[-1])
-    return float(R.max_vio(loads))
+        loads = loads + M.expert_loads(R.route(s, b, top_k).expert_ids, s.shape[-1])
+    return float(M.max_vio(loads))
 
 
 _CACHE: dict = {}

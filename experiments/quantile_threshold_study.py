@@ -17,7 +17,7 @@ slots went, and the diverted fraction.
 4,096 tokens per step) trained with `none` and with `quantile_threshold`; per logged step it records
 the DEMAND MaxVio (plain top-k of the router, what `none` would route) next to the routed MaxVio, so
 "the method shed load but the router concentrated" can be told apart from "the method made it worse".
-The demand statistic is read by wrapping `k3jax.ops.routing.balance` inside this script only.
+The demand statistic is read by wrapping `k3jax.ops.balancing.balance` inside this script only.
 
 Writes a JSON to $QT_STUDY_OUT (default /tmp/k3jax_quantile_threshold_study/quantile_threshold_study.json;
 the committed one: QT_STUDY_OUT=experiments/results/quantile_threshold_study.json).
@@ -32,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.ops import balance_metrics as M
+from k3jax.ops import balancing as B
 from k3jax.ops import routing as R
+from k3jax.ops import threshold_routing as T
 
 E, TOP_K, N = 32, 4, 16384
 
@@ -50,7 +53,7 @@ def synthetic_scores(sigma: float, step: int, num_tokens: int = N, num_experts: 
     return R.router_scores(temperature * (jnp.asarray(sigma * popularity(num_experts))[None, :] + eps))
 
 
-def flags_for(state: dict, demand: np.ndarray, cfg: R.BalancingConfig) -> dict:
+def flags_for(state: dict, demand: np.ndarray, cfg: B.BalancingMethod) -> dict:
     """The over/under flags and capacity threshold_route used at one step (recomputed from the state it
     was given and that step's demand, with the same formulas)."""
     window = np.asarray(state["window_loads"])
@@ -65,20 +68,20 @@ def flags_for(state: dict, demand: np.ndarray, cfg: R.BalancingConfig) -> dict:
 
 def synthetic_study(cases=((1.0, 1.0), (1.75, 1.0), (2.5, 1.0), (3.5, 1.0), (5.0, 1.0), (1.75, 2.0),
                            (1.75, 3.0), (1.75, 4.0), (1.75, 6.0), (1.75, 8.0)),
-                    steps: int = 10, cfg: R.BalancingConfig | None = None):
+                    steps: int = 10, cfg: B.BalancingMethod | None = None):
     """``cases``: (sigma, temperature) pairs; 10 steps each (the window fills); the last step reported."""
-    cfg = cfg or R.BalancingConfig(method="quantile_threshold")
+    cfg = cfg or B.QuantileThreshold()
     mean = N * TOP_K / E
     rows = []
-    route = jax.jit(lambda s, st: R.threshold_route(
+    route = jax.jit(lambda s, st: T.threshold_route(
         s, TOP_K, st, high_percentile=cfg.high_percentile, low_percentile=cfg.low_percentile,
         tolerance=cfg.tolerance, priority_boost=cfg.priority_boost))
     for sigma, temperature in cases:
-        state = R.init_balancing_state(cfg, E)
+        state = B.init_balancing_state(cfg, E)
         for step in range(steps):
             scores = synthetic_scores(sigma, step, temperature=temperature)
             routing, demand = route(scores, state)
-            out = R.balance(cfg, scores, routing, jnp.zeros(E), state, demand_loads=demand)
+            out = B.balance(cfg, scores, routing, jnp.zeros(E), state, demand_loads=demand)
             if step == steps - 1:
                 d, f = np.asarray(demand), np.asarray(out.stats["loads"])
                 fl = flags_for(state, d, cfg)
@@ -122,7 +125,7 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
     import k3jax.train.trainer as trainer_lib
     from k3jax.train.metrics import read_metrics
 
-    original = R.balance
+    original = B.balance
 
     def balance_with_demand(config, scores, routing, bias, state=None, **kw):
         out = original(config, scores, routing, bias, state, **kw)
@@ -130,15 +133,15 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
         if demand is None:
             demand = out.stats["loads"]
         stats = dict(out.stats)
-        stats["demand_max_vio"] = R.max_vio(demand)
-        stats["demand_dead"] = R.dead_experts(demand)
+        stats["demand_max_vio"] = M.max_vio(demand)
+        stats["demand_dead"] = M.dead_experts(demand)
         return out._replace(stats=stats)
 
     base = moe_balance_gpu.get_config().to_dict()
     base["model"].update(d_model=128, num_heads=2, head_dim=64, d_ff=384, moe_d_ff=128, dtype="float32")
     base["data"].update(seq_len=256, batch_size=16)
     base["train"].update(eval_batches=2)
-    R.balance = balance_with_demand
+    B.balance = balance_with_demand
     results = {}
     try:
         for method in methods:
@@ -154,7 +157,7 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
                 results[f"{method}/seed{seed}"] = res
                 print(method, seed, json.dumps({k: np.round(v, 2).tolist() for k, v in res.items()}))
     finally:
-        R.balance = original
+        B.balance = original
     return results
 
 

@@ -46,7 +46,11 @@ if "ipykernel" not in sys.modules or os.environ.get("MPLBACKEND") == "Agg":
 import matplotlib.pyplot as plt
 import numpy as np
 
+from k3jax.ops import balance_metrics as M
+from k3jax.ops import balancing as B
+from k3jax.ops import quantile as Q
 from k3jax.ops import routing as R
+from k3jax.ops import threshold_routing as T
 from k3jax.train.config import run_config_from_dict
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import train
@@ -74,14 +78,14 @@ scores = jnp.asarray([
 E, TOP_K = scores.shape[1], 1
 zero = jnp.zeros(E, jnp.float32)
 before = R.route(scores, zero, TOP_K)
-loads_before = np.asarray(R.expert_loads(before.expert_ids, E))
-out = R.balance(R.BalancingConfig(method="quantile"), scores, before, zero)
+loads_before = np.asarray(M.expert_loads(before.expert_ids, E))
+out = B.balance(B.QuantileBalancing(), scores, before, zero)
 after = R.route(scores, out.next_bias, TOP_K)
-loads_after = np.asarray(R.expert_loads(after.expert_ids, E))
-print("margins r_ij:\n", np.round(np.asarray(R.quantile_margins(scores, before, zero)), 3))
+loads_after = np.asarray(M.expert_loads(after.expert_ids, E))
+print("margins r_ij:\n", np.round(np.asarray(Q.quantile_margins(scores, before, zero)), 3))
 print("QB bias:", np.round(np.asarray(out.next_bias), 4))
-print(f"loads before {loads_before}, MaxVio {float(R.max_vio(jnp.asarray(loads_before))):.2f}")
-print(f"loads after  {loads_after}, MaxVio {float(R.max_vio(jnp.asarray(loads_after))):.2f}")
+print(f"loads before {loads_before}, MaxVio {float(M.max_vio(jnp.asarray(loads_before))):.2f}")
+print(f"loads after  {loads_after}, MaxVio {float(M.max_vio(jnp.asarray(loads_after))):.2f}")
 print("experts after:", np.asarray(after.expert_ids[:, 0]))
 assert loads_before.tolist() == [4, 3, 1, 0]
 assert loads_after.tolist() == [2, 2, 2, 2]
@@ -143,9 +147,9 @@ assert all(np.all(np.isfinite(c["ce"])) and len(c["step"]) == STEPS for c in cur
 # ## 3. The seed article's literal variant and its causal leakage
 # The seed article describes "quantile balancing" as same-step diversion: measure this step's loads,
 # flag experts above the 95th / below the 5th load percentile, boost the underloaded and shed the
-# overloaded (`R.threshold_route`). Because it reads the whole step's loads, an earlier token's expert
+# overloaded (`T.threshold_route`). Because it reads the whole step's loads, an earlier token's expert
 # can change when only LATER tokens change: information flows backwards in the sequence.
-# `R.causal_leakage` routes two sequences that share a prefix and counts the prefix tokens whose
+# `T.causal_leakage` routes two sequences that share a prefix and counts the prefix tokens whose
 # experts differ. One deterministic example (E = 4, k = 1, 8 tokens; the prefix t0..t3 is shared):
 
 # %%
@@ -154,14 +158,14 @@ LATER_A = [[0.1, 0.8, 0.2, 0.3], [0.1, 0.2, 0.8, 0.3], [0.1, 0.2, 0.3, 0.8], [0.
 LATER_B = [[0.8, 0.1, 0.2, 0.3], [0.8, 0.2, 0.1, 0.3], [0.8, 0.3, 0.2, 0.1], [0.8, 0.1, 0.3, 0.2]]
 seq_a = jnp.asarray([PREFIX + LATER_A], jnp.float32)   # [B=1, T=8, E=4]
 seq_b = jnp.asarray([PREFIX + LATER_B], jnp.float32)
-threshold_cfg = R.BalancingConfig(method="quantile_threshold")
-window = R.init_balancing_state(threshold_cfg, 4)
+threshold_cfg = B.QuantileThreshold()
+window = B.init_balancing_state(threshold_cfg, 4)
 
 
 def seed_literal(s):
     """The seed article's same-step threshold routing of [B, T, E] scores -> expert ids [B, T, 1]."""
     b, t, e = s.shape
-    r, _ = R.threshold_route(s.reshape(b * t, e), 1, window, high_percentile=threshold_cfg.high_percentile,
+    r, _ = T.threshold_route(s.reshape(b * t, e), 1, window, high_percentile=threshold_cfg.high_percentile,
                              low_percentile=threshold_cfg.low_percentile, tolerance=threshold_cfg.tolerance,
                              priority_boost=threshold_cfg.priority_boost)
     return r.expert_ids.reshape(b, t, -1)
@@ -178,8 +182,8 @@ def quantile_balanced(s):
 
 print("seed-literal experts, A:", np.asarray(seed_literal(seq_a))[0, :, 0])
 print("seed-literal experts, B:", np.asarray(seed_literal(seq_b))[0, :, 0])
-leak_seed = float(R.causal_leakage(seed_literal, seq_a, seq_b, prefix_length=4))
-leak_qb = float(R.causal_leakage(quantile_balanced, seq_a, seq_b, prefix_length=4))
+leak_seed = float(T.causal_leakage(seed_literal, seq_a, seq_b, prefix_length=4))
+leak_qb = float(T.causal_leakage(quantile_balanced, seq_a, seq_b, prefix_length=4))
 print(f"causal leakage: seed-literal {leak_seed:.2f}, QB {leak_qb:.2f}")
 assert leak_seed > 0.0
 assert leak_qb == 0.0

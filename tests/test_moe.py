@@ -8,15 +8,15 @@ import pytest
 from flax import nnx
 
 from k3jax.nn.moe import BalancingState, MoEFeedForward, RouterBias
+from k3jax.ops import balance_metrics, balancing
 from k3jax.ops import routing as R
-from k3jax.ops.routing import BalancingConfig
 
 B, T, D, F, E, K = 2, 8, 16, 24, 8, 2
 
 
 def _module(method="quantile", **kw):
     kw.setdefault("dtype", jnp.float32)
-    return MoEFeedForward(D, F, E, K, balancing=BalancingConfig(method=method), rngs=nnx.Rngs(0), **kw)
+    return MoEFeedForward(D, F, E, K, balancing=balancing.balancing_config(method), rngs=nnx.Rngs(0), **kw)
 
 
 def _x(seed=1):
@@ -53,9 +53,9 @@ def test_module_equals_ops_composition(score_func, shared):
         g, u, d = (v.get_value() for v in (m.shared_gate, m.shared_up, m.shared_down))
         ref += np.asarray((jax.nn.silu(xf @ g) * (xf @ u)) @ d)
     np.testing.assert_allclose(y.reshape(-1, D), ref, rtol=2e-5, atol=2e-5)
-    expected = R.balance(BalancingConfig(method="quantile"), scores, r, m.router_bias.get_value())
+    expected = balancing.balance(balancing.QuantileBalancing(), scores, r, m.router_bias.get_value())
     np.testing.assert_allclose(aux["next_bias"], expected.next_bias, atol=1e-7)
-    np.testing.assert_array_equal(aux["stats"]["loads"], R.expert_loads(r.expert_ids, E))
+    np.testing.assert_array_equal(aux["stats"]["loads"], balance_metrics.expert_loads(r.expert_ids, E))
     assert set(aux["stats"]) == {
         "loads", "max_vio", "cv", "dropped_fraction", "dead_experts", "entropy", "diverted_fraction"}
 
@@ -125,18 +125,18 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="dispatch_implementation"):
         MoEFeedForward(D, F, E, K, dispatch_implementation="triton", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs top_k < num_experts"):
-        MoEFeedForward(D, F, 4, 4, balancing=BalancingConfig(method="quantile"), rngs=nnx.Rngs(0))
+        MoEFeedForward(D, F, 4, 4, balancing=balancing.QuantileBalancing(), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(
-    "method,estimator", [("quantile", "histogram"), ("aux_loss", "exact"), ("quantile_threshold", "exact")])
-def test_expert_parallel_equals_single_device(method, estimator):
+    "method,options", [("quantile", {"quantile_estimator": "histogram"}), ("aux_loss", {}), ("quantile_threshold", {})])
+def test_expert_parallel_equals_single_device(method, options):
     """Mesh (data=2, expert=4) on 8 CPU devices: output, aux (loss, next bias, stats) and gradients
     w.r.t. every parameter and the input equal the single-device module (same init)."""
     from k3jax import sharding as S
 
     mesh = S.make_mesh(2, 4)
-    kw = dict(balancing=BalancingConfig(method=method, quantile_estimator=estimator), dtype=jnp.float32,
+    kw = dict(balancing=balancing.balancing_config(method, **options), dtype=jnp.float32,
               num_shared_experts=1)
     ref = MoEFeedForward(D, F, E, K, rngs=nnx.Rngs(0), **kw)
     ep = MoEFeedForward(D, F, E, K, rngs=nnx.Rngs(0), mesh=mesh, **kw)
@@ -179,7 +179,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from k3jax import sharding as S
 from k3jax.nn.moe import MoEFeedForward
-from k3jax.ops.routing import BalancingConfig
+from k3jax.ops import balancing
 
 def _global(value, sharding):
     value = np.asarray(value)
@@ -187,7 +187,7 @@ def _global(value, sharding):
 
 def train_losses(mesh, steps=5):
     m = MoEFeedForward(16, 24, 8, 2, num_shared_experts=1, dtype=jnp.float32, mesh=mesh, rngs=nnx.Rngs(0),
-                       balancing=BalancingConfig(method="quantile", quantile_estimator="histogram"))
+                       balancing=balancing.QuantileBalancing(quantile_estimator="histogram"))
     for name in ("w_gate", "w_up", "w_down"):
         getattr(m, name).set_value(_global(getattr(m, name).get_value(), S.expert_sharding(mesh, 3)))
     for name in ("router", "router_bias", "shared_gate", "shared_up", "shared_down"):

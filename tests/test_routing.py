@@ -8,7 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.ops import balance_metrics as M
+from k3jax.ops import balancing as B
+from k3jax.ops import quantile as Q
 from k3jax.ops import routing as R
+from k3jax.ops import threshold_routing as T
 
 # K3's worked example (Kimi K3 §2.3.3): 8 tokens, 4 experts, top-1, loads (4, 3, 1, 0) -> (2, 2, 2, 2).
 # Scores in [0, 1] (sigmoid-like), distinct in every row. Tokens 2, 3 prefer expert 0 with expert 3 a
@@ -102,20 +106,20 @@ def test_route_rejects_bad_input():
 
 def test_metrics_match_numpy():
     loads = jnp.array([4.0, 3.0, 1.0, 0.0])
-    st = R.load_stats(loads)
+    st = M.load_stats(loads)
     assert float(st["max_vio"]) == pytest.approx(1.0)
     assert float(st["cv"]) == pytest.approx(np.std([4, 3, 1, 0]) / 2.0, rel=1e-6)
     assert float(st["dead_experts"]) == 1.0
     p = np.array([4, 3, 1]) / 8
     assert float(st["entropy"]) == pytest.approx(-(p * np.log(p)).sum() / math.log(4), rel=1e-6)
-    assert float(R.load_entropy(jnp.ones(5))) == pytest.approx(1.0)
-    assert float(R.max_vio_global(jnp.array([[2.0, 0.0], [0.0, 2.0]]))) == 0.0
-    assert float(R.max_vio(jnp.zeros(3))) == 0.0
+    assert float(M.load_entropy(jnp.ones(5))) == pytest.approx(1.0)
+    assert float(M.max_vio_global(jnp.array([[2.0, 0.0], [0.0, 2.0]]))) == 0.0
+    assert float(M.max_vio(jnp.zeros(3))) == 0.0
     with pytest.raises(ValueError, match="loads"):
-        R.max_vio(jnp.ones((2, 3)))
+        M.max_vio(jnp.ones((2, 3)))
     ids = jnp.array([[0, 1], [1, 2], [1, 3]])
-    np.testing.assert_array_equal(R.expert_loads(ids, 4), [1, 3, 1, 1])
-    np.testing.assert_array_equal(R.expert_loads(ids, 4, token_mask=jnp.array([1, 0, 1], bool)), [1, 2, 0, 1])
+    np.testing.assert_array_equal(M.expert_loads(ids, 4), [1, 3, 1, 1])
+    np.testing.assert_array_equal(M.expert_loads(ids, 4, token_mask=jnp.array([1, 0, 1], bool)), [1, 2, 0, 1])
 
 
 # --------------------------------------------------------------------------- aux losses
@@ -126,34 +130,34 @@ def test_aux_losses_equal_alpha_on_uniform_routing(func):
     n, e, k, t = 16, 4, 2, 4
     scores = R.router_scores(jnp.zeros((n, e)), func)  # uniform probabilities
     ids = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1).astype(jnp.int32)  # balanced per seq
-    assert float(R.aux_loss(scores, ids, alpha=1.0, score_func=func)) == pytest.approx(1.0, rel=1e-6)
-    assert float(R.seq_aux_loss(scores, ids, t, alpha=1.0, score_func=func)) == pytest.approx(1.0, rel=1e-6)
+    assert float(B.aux_loss(scores, ids, alpha=1.0, score_func=func)) == pytest.approx(1.0, rel=1e-6)
+    assert float(B.seq_aux_loss(scores, ids, t, alpha=1.0, score_func=func)) == pytest.approx(1.0, rel=1e-6)
     # collapsed: every token on expert 0 with P_0 = 1 -> the maximum, alpha * E
     collapsed = jnp.zeros((n, e)).at[:, 0].set(1.0)
     ids0 = jnp.zeros((n, 1), jnp.int32)
-    assert float(R.aux_loss(collapsed, ids0, alpha=0.5)) == pytest.approx(0.5 * e)
+    assert float(B.aux_loss(collapsed, ids0, alpha=0.5)) == pytest.approx(0.5 * e)
 
 
 def test_aux_loss_gradient_is_alpha_e_f_over_n():
     n, e = 12, 3
     scores = _random_scores(jax.random.PRNGKey(3), n, e)
     ids = R.route(scores, None, 1).expert_ids
-    f = np.asarray(R.expert_loads(ids, e)) / n
-    g = jax.grad(lambda s: R.aux_loss(s, ids, alpha=0.1))(scores)
+    f = np.asarray(M.expert_loads(ids, e)) / n
+    g = jax.grad(lambda s: B.aux_loss(s, ids, alpha=0.1))(scores)
     np.testing.assert_allclose(g, np.broadcast_to(0.1 * e * f / n, (n, e)), rtol=1e-6)
 
 
 def test_seq_aux_loss_is_mean_of_per_sequence_losses_and_skips_padding():
     scores = _random_scores(jax.random.PRNGKey(4), 12, 4)
     ids = R.route(scores, None, 2).expert_ids
-    per = [float(R.aux_loss(scores[i * 4:(i + 1) * 4], ids[i * 4:(i + 1) * 4], alpha=1.0)) for i in range(3)]
-    assert float(R.seq_aux_loss(scores, ids, 4, alpha=1.0)) == pytest.approx(np.mean(per), rel=1e-6)
+    per = [float(B.aux_loss(scores[i * 4:(i + 1) * 4], ids[i * 4:(i + 1) * 4], alpha=1.0)) for i in range(3)]
+    assert float(B.seq_aux_loss(scores, ids, 4, alpha=1.0)) == pytest.approx(np.mean(per), rel=1e-6)
     mask = jnp.ones(12, bool).at[4:8].set(False)  # sequence 1 is all padding
-    assert float(R.seq_aux_loss(scores, ids, 4, alpha=1.0, token_mask=mask)) == pytest.approx(
+    assert float(B.seq_aux_loss(scores, ids, 4, alpha=1.0, token_mask=mask)) == pytest.approx(
         (per[0] + per[2]) / 2, rel=1e-6
     )
     with pytest.raises(ValueError, match="sequence_length"):
-        R.seq_aux_loss(scores, ids, 5)
+        B.seq_aux_loss(scores, ids, 5)
 
 
 # --------------------------------------------------------------------------- loss-free
@@ -162,17 +166,17 @@ def test_seq_aux_loss_is_mean_of_per_sequence_losses_and_skips_padding():
 def test_loss_free_update_sums_to_zero_and_matches_paper_up_to_constant():
     for loads in ([4.0, 3.0, 1.0, 0.0], [5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]):
         loads = jnp.array(loads)
-        d = np.asarray(R.loss_free_update(loads, 1e-3))
+        d = np.asarray(B.loss_free_update(loads, 1e-3))
         assert abs(d.sum()) < 1e-9
         paper = 1e-3 * np.sign(np.mean(loads) - np.asarray(loads))
         np.testing.assert_allclose(d - d[0], paper - paper[0], atol=1e-9)  # same routing
-    np.testing.assert_allclose(R.loss_free_update(jnp.array([5.0, 1, 1, 1])), 1e-3 * np.array([-1.5, 0.5, 0.5, 0.5]))
+    np.testing.assert_allclose(B.loss_free_update(jnp.array([5.0, 1, 1, 1])), 1e-3 * np.array([-1.5, 0.5, 0.5, 0.5]))
 
 
 def test_balance_loss_free_moves_bias_against_load():
     scores = jnp.asarray(K3_EXAMPLE)
     r = R.route(scores, jnp.zeros(4), 1)
-    out = R.balance(R.BalancingConfig(method="loss_free"), scores, r, jnp.zeros(4))
+    out = B.balance(B.LossFree(), scores, r, jnp.zeros(4))
     np.testing.assert_allclose(out.next_bias, 1e-3 * np.array([-1.0, -1.0, 1.0, 1.0]))
     assert float(out.loss) == 0.0
 
@@ -183,13 +187,13 @@ def test_balance_loss_free_moves_bias_against_load():
 @pytest.mark.parametrize("estimator", ["exact", "histogram"])
 def test_quantile_k3_worked_example(estimator):
     scores = jnp.asarray(K3_EXAMPLE)
-    cfg = R.BalancingConfig(method="quantile", quantile_estimator=estimator)
+    cfg = B.QuantileBalancing(quantile_estimator=estimator)
     r = R.route(scores, jnp.zeros(4), 1)
-    np.testing.assert_array_equal(R.expert_loads(r.expert_ids, 4), [4, 3, 1, 0])
-    out = R.balance(cfg, scores, r, jnp.zeros(4))
+    np.testing.assert_array_equal(M.expert_loads(r.expert_ids, 4), [4, 3, 1, 0])
+    out = B.balance(cfg, scores, r, jnp.zeros(4))
     assert abs(float(jnp.sum(out.next_bias))) < 1e-6
     r2 = R.route(scores, out.next_bias, 1)
-    np.testing.assert_array_equal(R.expert_loads(r2.expert_ids, 4), [2, 2, 2, 2])
+    np.testing.assert_array_equal(M.expert_loads(r2.expert_ids, 4), [2, 2, 2, 2])
     np.testing.assert_array_equal(r2.expert_ids[:, 0], [0, 0, 3, 3, 1, 1, 2, 2])
     assert float(out.stats["max_vio"]) == pytest.approx(1.0)
 
@@ -204,8 +208,8 @@ def test_quantile_bias_admits_exactly_nk_over_e_tokens(n, e, k, bias_scale):
     scores = _random_scores(jax.random.PRNGKey(n), n, e)
     bias = bias_scale * jax.random.normal(jax.random.PRNGKey(e), (e,))
     r = R.route(scores, bias, k)
-    m = np.asarray(R.quantile_margins(scores, r))
-    b_hat = np.asarray(R.quantile_bias(jnp.asarray(m), k, bias=bias, center=False))
+    m = np.asarray(Q.quantile_margins(scores, r))
+    b_hat = np.asarray(Q.quantile_bias(jnp.asarray(m), k, bias=bias, center=False))
     q = n * k // e
     srt = np.sort(m, axis=0)
     gap = srt[q - 1] < srt[q]
@@ -215,7 +219,7 @@ def test_quantile_bias_admits_exactly_nk_over_e_tokens(n, e, k, bias_scale):
     np.testing.assert_array_equal(at[gap], 0)
     np.testing.assert_array_equal(b_hat[~gap], srt[q - 1][~gap])
     assert gap.sum() >= e // 2  # the exact case is the common one
-    b = R.quantile_bias(jnp.asarray(m), k, bias=bias)
+    b = Q.quantile_bias(jnp.asarray(m), k, bias=bias)
     np.testing.assert_allclose(b, b_hat - b_hat.mean(), atol=1e-7)
 
 
@@ -224,10 +228,10 @@ def test_quantile_iteration_balances_random_scores():
     fixed draw MaxVio falls 0.0430 -> 0.0137 after one step and stays <= 0.01 from step 3."""
     n, e, k = 4096, 8, 1
     scores = _random_scores(jax.random.PRNGKey(0), n, e)
-    cfg = R.BalancingConfig(method="quantile")
+    cfg = B.QuantileBalancing()
     bias = jnp.zeros(e)
     vios = []
-    step = jax.jit(lambda b: R.balance(cfg, scores, R.route(scores, b, k), b))
+    step = jax.jit(lambda b: B.balance(cfg, scores, R.route(scores, b, k), b))
     for _ in range(5):
         out = step(bias)
         vios.append(float(out.stats["max_vio"]))
@@ -242,9 +246,9 @@ def test_quantile_histogram_within_one_bin_of_exact():
     scores = _random_scores(jax.random.PRNGKey(7), n, e, "sigmoid")
     bias = 0.1 * jax.random.normal(jax.random.PRNGKey(8), (e,))
     r = R.route(scores, bias, k)
-    m = R.quantile_margins(scores, r)
-    exact = np.asarray(R.quantile_bias(m, k, bias=bias, center=False))
-    hist = np.asarray(R.quantile_bias(m, k, bias=bias, estimator="histogram", histogram_bins=bins, center=False))
+    m = Q.quantile_margins(scores, r)
+    exact = np.asarray(Q.quantile_bias(m, k, bias=bias, center=False))
+    hist = np.asarray(Q.quantile_bias(m, k, bias=bias, estimator="histogram", histogram_bins=bins, center=False))
     width = (float(bias.max()) - float(bias.min()) + 2.0) / bins
     assert np.max(np.abs(hist - exact)) <= width
     # the documented guarantee: inside [r_(q) - w, r_(q+1) + w]
@@ -252,7 +256,7 @@ def test_quantile_histogram_within_one_bin_of_exact():
     q = n * k // e
     assert np.all(hist >= srt[q - 1] - width) and np.all(hist <= srt[q] + width)
     # a coarse histogram is further off (the test can fail)
-    coarse = np.asarray(R.quantile_bias(m, k, bias=bias, estimator="histogram", histogram_bins=4, center=False))
+    coarse = np.asarray(Q.quantile_bias(m, k, bias=bias, estimator="histogram", histogram_bins=4, center=False))
     assert np.max(np.abs(coarse - exact)) > width
 
 
@@ -260,10 +264,10 @@ def test_quantile_histogram_within_one_bin_of_exact():
 def test_quantile_bias_invariant_to_constant_shift(estimator):
     scores = _random_scores(jax.random.PRNGKey(11), 256, 8, "sigmoid")
     bias = 0.05 * jax.random.normal(jax.random.PRNGKey(12), (8,))
-    cfg = R.BalancingConfig(method="quantile", quantile_estimator=estimator)
-    b0 = R.balance(cfg, scores, R.route(scores, bias, 2), bias).next_bias
+    cfg = B.QuantileBalancing(quantile_estimator=estimator)
+    b0 = B.balance(cfg, scores, R.route(scores, bias, 2), bias).next_bias
     shifted = scores + 0.37
-    b1 = R.balance(cfg, shifted, R.route(shifted, bias, 2), bias).next_bias
+    b1 = B.balance(cfg, shifted, R.route(shifted, bias, 2), bias).next_bias
     np.testing.assert_allclose(b0, b1, atol=2e-6)
 
 
@@ -272,15 +276,15 @@ def test_quantile_padding_excluded_and_ema():
     mask = jnp.arange(200) < 150
     bias = jnp.zeros(8)
     r = R.route(scores, bias, 2)
-    cfg = R.BalancingConfig(method="quantile")
-    with_mask = R.balance(cfg, scores, r, bias, token_mask=mask)
-    valid = R.balance(cfg, scores[:150], R.route(scores[:150], bias, 2), bias)
+    cfg = B.QuantileBalancing()
+    with_mask = B.balance(cfg, scores, r, bias, token_mask=mask)
+    valid = B.balance(cfg, scores[:150], R.route(scores[:150], bias, 2), bias)
     np.testing.assert_allclose(with_mask.next_bias, valid.next_bias, atol=1e-7)
     np.testing.assert_array_equal(with_mask.stats["loads"], valid.stats["loads"])
     old = jnp.linspace(-0.1, 0.1, 8)
     r = R.route(scores, old, 2)
-    new = R.balance(cfg, scores, r, old).next_bias
-    ema = R.balance(R.BalancingConfig(method="quantile", ema=0.9), scores, r, old).next_bias
+    new = B.balance(cfg, scores, r, old).next_bias
+    ema = B.balance(B.QuantileBalancing(ema=0.9), scores, r, old).next_bias
     np.testing.assert_allclose(ema, 0.9 * old + 0.1 * new, atol=1e-7)
 
 
@@ -292,14 +296,14 @@ def test_quantile_histogram_psum_equals_pooled():
     scores = _random_scores(jax.random.PRNGKey(14), n, e)
     bias = 0.05 * jax.random.normal(jax.random.PRNGKey(15), (e,))
     r = R.route(scores, bias, k)
-    m = R.quantile_margins(scores, r)
+    m = Q.quantile_margins(scores, r)
     m_sharded = jax.device_put(m, jax.sharding.NamedSharding(mesh, P("data")))
     b_repl = jax.device_put(bias, jax.sharding.NamedSharding(mesh, P()))
     for est in ("histogram", "exact"):
-        pooled = R.quantile_bias(m, k, bias=bias, estimator=est)
+        pooled = Q.quantile_bias(m, k, bias=bias, estimator=est)
 
         def local(m_shard, b):
-            return R.quantile_bias(m_shard, k, bias=b, estimator=est, axis_names=("data",))[None]
+            return Q.quantile_bias(m_shard, k, bias=b, estimator=est, axis_names=("data",))[None]
 
         per_device = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))(m_sharded, b_repl)
         assert per_device.shape == (8, e)  # every device's own result
@@ -308,16 +312,16 @@ def test_quantile_histogram_psum_equals_pooled():
 
 def test_balancing_config_validation():
     with pytest.raises(ValueError, match="method"):
-        R.BalancingConfig(method="sinkhorn")
+        B.balancing_config("sinkhorn")
     with pytest.raises(ValueError, match="quantile_estimator"):
-        R.BalancingConfig(quantile_estimator="tdigest")
+        B.QuantileBalancing(quantile_estimator="tdigest")
     with pytest.raises(ValueError, match="ema"):
-        R.BalancingConfig(ema=1.0)
-    assert R.BalancingConfig(method="aux_loss").alpha == 1e-2
-    assert R.BalancingConfig(method="seq_aux_loss").alpha == 1e-4
+        B.QuantileBalancing(ema=1.0)
+    assert B.AuxLoss().alpha == 1e-2
+    assert B.SeqAuxLoss().alpha == 1e-4
     scores = jnp.asarray(K3_EXAMPLE)
     with pytest.raises(ValueError, match="top_k < E"):
-        R.quantile_margins(scores, R.route(scores, None, 4))
+        Q.quantile_margins(scores, R.route(scores, None, 4))
 
 
 # --------------------------------------------------------------------------- seed-literal method
@@ -335,11 +339,11 @@ LATER_B = [[0.8, 0.1, 0.2, 0.3], [0.8, 0.2, 0.1, 0.3], [0.8, 0.3, 0.2, 0.1], [0.
 
 
 def _threshold_fn(cfg, e):
-    state = R.init_balancing_state(cfg, e)
+    state = B.init_balancing_state(cfg, e)
 
     def fn(scores_bte):
         b, t, _ = scores_bte.shape
-        r, _ = R.threshold_route(
+        r, _ = T.threshold_route(
             scores_bte.reshape(b * t, e), 1, state, high_percentile=cfg.high_percentile,
             low_percentile=cfg.low_percentile, tolerance=cfg.tolerance, priority_boost=cfg.priority_boost,
         )
@@ -354,19 +358,19 @@ def test_threshold_route_causal_leakage_exact_value():
     (cap floor(2.625·8/4) = 5 >= its 5 remaining rows, so nothing is shed); P5(u) = .075 -> expert 3
     underloaded, +0.05: t1 (0.58 + .05 > 0.60) and t2 (0.47 + .05 > 0.50) move to expert 3, t0/t3 do
     not. Two of the four earlier tokens change although only later tokens differ: leakage = 0.5."""
-    cfg = R.BalancingConfig(method="quantile_threshold")
+    cfg = B.QuantileThreshold()
     a = jnp.asarray([PREFIX + LATER_A], jnp.float32)
     b = jnp.asarray([PREFIX + LATER_B], jnp.float32)
     fn = _threshold_fn(cfg, 4)
     np.testing.assert_array_equal(fn(a)[0, :, 0], [0, 0, 1, 2, 1, 2, 3, 3])
     np.testing.assert_array_equal(fn(b)[0, :, 0], [0, 3, 3, 2, 0, 0, 0, 0])
-    assert float(R.causal_leakage(fn, a, b, 4)) == 0.5
+    assert float(T.causal_leakage(fn, a, b, 4)) == 0.5
     # the causal methods: a bias from the previous step cannot leak
     bias = jnp.array([0.01, -0.02, 0.03, -0.02])
     plain = lambda s: R.route(s.reshape(-1, 4), bias, 1).expert_ids.reshape(1, 8, 1)  # noqa: E731
-    assert float(R.causal_leakage(plain, a, b, 4)) == 0.0
+    assert float(T.causal_leakage(plain, a, b, 4)) == 0.0
     with pytest.raises(ValueError, match="agree"):
-        R.causal_leakage(plain, a, b, 5)
+        T.causal_leakage(plain, a, b, 5)
 
 
 def test_threshold_route_tolerance_and_shedding():
@@ -382,10 +386,10 @@ def test_threshold_route_tolerance_and_shedding():
     scores = jnp.asarray(s)
 
     def diverted(tol, sc):
-        cfg = R.BalancingConfig(method="quantile_threshold", tolerance=tol)
-        state = R.init_balancing_state(cfg, 4)
-        r, demand = R.threshold_route(sc, 1, state, tolerance=tol)
-        out = R.balance(cfg, sc, r, jnp.zeros(4), state, demand_loads=demand)
+        cfg = B.QuantileThreshold(tolerance=tol)
+        state = B.init_balancing_state(cfg, 4)
+        r, demand = T.threshold_route(sc, 1, state, tolerance=tol)
+        out = B.balance(cfg, sc, r, jnp.zeros(4), state, demand_loads=demand)
         return float(out.stats["diverted_fraction"]), r, out
 
     frac0, r0, out0 = diverted(0.0, scores)
@@ -408,15 +412,15 @@ def test_threshold_route_tolerance_and_shedding():
 def test_threshold_window_smoothing():
     """With a window full of balanced history, a skewed step is smoothed to u = (1 + 4·f)/2 and
     flags nothing, while the same step alone diverts."""
-    cfg = R.BalancingConfig(method="quantile_threshold", window=1)
+    cfg = B.QuantileThreshold(window=1)
     s = np.full((8, 4), 0.1, np.float32)
     s[np.arange(8), [0, 0, 0, 0, 0, 1, 2, 3]] = 0.9
     s[:, 1] += 0.05
     scores = jnp.asarray(s)
-    fresh = R.init_balancing_state(cfg, 4)
-    r_fresh, _ = R.threshold_route(scores, 1, fresh)
+    fresh = B.init_balancing_state(cfg, 4)
+    r_fresh, _ = T.threshold_route(scores, 1, fresh)
     full = {"window_loads": jnp.full((1, 4), 0.25), "filled": jnp.array(1, jnp.int32)}
-    r_full, _ = R.threshold_route(scores, 1, full)
+    r_full, _ = T.threshold_route(scores, 1, full)
     # alone: u = (2.5, .5, .5, .5), P95 = 2.2 -> expert 0 over, cap floor(2.2·2) = 4: t4 shed to 1
     np.testing.assert_array_equal(r_fresh.expert_ids[:, 0], [0, 0, 0, 0, 1, 1, 2, 3])
     # smoothed: u = (1.75, .75, .75, .75) -> cap floor(1.6·2) = 3: t3, t4 shed to expert 1
@@ -442,8 +446,8 @@ def test_balance_with_routing_for_other_tokens_names_routing(method):
     scores = jnp.asarray(K3_EXAMPLE)
     _, routing6 = _k3_routing(6)  # routed 6 tokens, balanced against 8
     with pytest.raises(ValueError, match=r"routing\.expert_ids must be \[N, k\] with N=8"):
-        R.balance(R.BalancingConfig(method=method), scores, routing6, jnp.zeros(4))
-    good = R.balance(R.BalancingConfig(method=method), scores, R.route(scores, None, 1), jnp.zeros(4))
+        B.balance(B.balancing_config(method), scores, routing6, jnp.zeros(4))
+    good = B.balance(B.balancing_config(method), scores, R.route(scores, None, 1), jnp.zeros(4))
     np.testing.assert_array_equal(good.stats["loads"], [4, 3, 1, 0])
 
 
@@ -451,36 +455,36 @@ def test_quantile_margins_with_routing_for_other_tokens_names_routing():
     scores = jnp.asarray(K3_EXAMPLE)
     _, routing6 = _k3_routing(6)
     with pytest.raises(ValueError, match=r"routing\.expert_ids must be \[N, k\] with N=8"):
-        R.quantile_margins(scores, routing6)
+        Q.quantile_margins(scores, routing6)
     with pytest.raises(ValueError, match=r"routing\.cutoff must be \[N\] with N=8"):
-        R.quantile_margins(scores, R.route(scores, None, 1)._replace(cutoff=jnp.zeros(6)))
+        Q.quantile_margins(scores, R.route(scores, None, 1)._replace(cutoff=jnp.zeros(6)))
 
 
 @pytest.mark.parametrize("top_k", [0, 4, 5, -1, 1.5])
 def test_quantile_bias_top_k_outside_1_to_e(top_k):
-    margins = R.quantile_margins(*_k3_routing())
+    margins = Q.quantile_margins(*_k3_routing())
     with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E=4\)"):
-        R.quantile_bias(margins, top_k, bias=jnp.zeros(4))
-    np.testing.assert_allclose(R.quantile_bias(margins, 1, bias=jnp.zeros(4)).sum(), 0.0, atol=1e-6)
+        Q.quantile_bias(margins, top_k, bias=jnp.zeros(4))
+    np.testing.assert_allclose(Q.quantile_bias(margins, 1, bias=jnp.zeros(4)).sum(), 0.0, atol=1e-6)
 
 
 def test_expert_loads_checks_ids_on_request():
     ids = jnp.array([[0], [3], [4], [-1]], jnp.int32)  # 4 and -1 are outside [0, E=4)
-    np.testing.assert_array_equal(R.expert_loads(ids, 4), [1, 0, 0, 1])  # the default: dropped, documented
+    np.testing.assert_array_equal(M.expert_loads(ids, 4), [1, 0, 0, 1])  # the default: dropped, documented
     with pytest.raises(ValueError, match=r"expert_loads: expert_ids must be in \[0, num_experts=4\); got 2 ids"):
-        R.expert_loads(ids, 4, check_values=True)  # eager: JaxRuntimeError, a ValueError
+        M.expert_loads(ids, 4, check_values=True)  # eager: JaxRuntimeError, a ValueError
     # under jit, functionalised with checkify; a masked-out bad id does not count
     from jax.experimental import checkify
-    f = jax.jit(checkify.checkify(lambda i, m: R.expert_loads(i, 4, token_mask=m, check_values=True)))
+    f = jax.jit(checkify.checkify(lambda i, m: M.expert_loads(i, 4, token_mask=m, check_values=True)))
     err, loads = f(ids, jnp.array([True, True, True, False]))
     assert "got 1 ids outside it (max id 4)" in err.get()
     err, loads = f(ids, jnp.array([True, True, False, False]))
     assert err.get() is None
     np.testing.assert_array_equal(loads, [1, 0, 0, 1])
     with pytest.raises(ValueError, match="expert_ids must have an integer dtype"):
-        R.expert_loads(ids.astype(jnp.float32), 4)
+        M.expert_loads(ids.astype(jnp.float32), 4)
     with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
-        R.expert_loads(ids, 0)
+        M.expert_loads(ids, 0)
 
 
 def test_route_checks_nan_scores_on_request():
@@ -500,10 +504,10 @@ def test_route_checks_nan_scores_on_request():
 
 @pytest.mark.parametrize("gamma", [-1.0, float("nan"), float("inf"), -1e-9])
 def test_loss_free_gamma_must_be_finite_and_non_negative(gamma):
-    with pytest.raises(ValueError, match="loss_free_gamma must be a finite number >= 0"):
-        R.BalancingConfig(method="loss_free", loss_free_gamma=gamma)
     with pytest.raises(ValueError, match="gamma must be a finite number >= 0"):
-        R.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), gamma)
-    with pytest.raises(ValueError, match="aux_loss_alpha must be a finite number >= 0"):
-        R.BalancingConfig(method="aux_loss", aux_loss_alpha=gamma)
-    np.testing.assert_allclose(R.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), 0.5), [-0.5, -0.5, 0.5, 0.5])
+        B.LossFree(gamma=gamma)
+    with pytest.raises(ValueError, match="gamma must be a finite number >= 0"):
+        B.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), gamma)
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        B.AuxLoss(alpha=gamma)
+    np.testing.assert_allclose(B.loss_free_update(jnp.array([4.0, 3.0, 1.0, 0.0]), 0.5), [-0.5, -0.5, 0.5, 0.5])

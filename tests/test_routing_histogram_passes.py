@@ -4,10 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.ops import balancing as B
+from k3jax.ops import quantile as Q
 from k3jax.ops import routing as R
 
 # One jit per configuration (eager op-by-op dispatch would compile every primitive separately).
-_quantile_bias = jax.jit(R.quantile_bias, static_argnames=("top_k", "estimator", "histogram_bins",
+_quantile_bias = jax.jit(Q.quantile_bias, static_argnames=("top_k", "estimator", "histogram_bins",
                                                            "histogram_passes", "center", "axis_names"))
 
 
@@ -20,7 +22,7 @@ def _margins(seed: int, n: int, e: int, k: int, score_func: str):
 
 @jax.jit(static_argnames="k")
 def _margins_jit(scores, bias, k):
-    return R.quantile_margins(scores, R.route(scores, bias, k))
+    return Q.quantile_margins(scores, R.route(scores, bias, k))
 
 
 def _bracket(margins: np.ndarray, level: float):
@@ -65,7 +67,7 @@ def test_two_passes_sharded_equals_pooled():
     pooled = np.asarray(_quantile_bias(m, top_k=k, **kw))
 
     def local(m_shard, b):
-        return R.quantile_bias(m_shard, k, **dict(kw, bias=b), axis_names=("data",))[None]
+        return Q.quantile_bias(m_shard, k, **dict(kw, bias=b), axis_names=("data",))[None]
 
     per_device = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))(
         jax.device_put(m, jax.sharding.NamedSharding(mesh, P("data"))),
@@ -83,11 +85,11 @@ def test_two_passes_through_balance_and_padding():
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
     scores = R.router_scores(jax.random.normal(k1, (n, e)), "softmax")
     bias = 0.01 * jax.random.normal(k2, (e,))
-    cfg = R.BalancingConfig(method="quantile", quantile_estimator="histogram", histogram_passes=2)
+    cfg = B.QuantileBalancing(quantile_estimator="histogram", histogram_passes=2)
 
     @jax.jit
     def run(scores, mask):
-        return R.balance(cfg, scores, R.route(scores, bias, k), bias, token_mask=mask).next_bias
+        return B.balance(cfg, scores, R.route(scores, bias, k), bias, token_mask=mask).next_bias
 
     padded = run(scores, jnp.arange(n) < 400)
     valid = run(scores[:400], jnp.ones(400, bool))
@@ -99,10 +101,10 @@ def test_two_passes_through_balance_and_padding():
 
 def test_histogram_passes_validation():
     with pytest.raises(ValueError, match="histogram_passes"):
-        R.BalancingConfig(method="quantile", histogram_passes=3)
+        B.QuantileBalancing(histogram_passes=3)
     m, bias = _margins(4, 64, 4, 1, "softmax")
     with pytest.raises(ValueError, match="histogram_passes"):
-        R.quantile_bias(m, 1, bias=bias, estimator="histogram", histogram_passes=0)
+        Q.quantile_bias(m, 1, bias=bias, estimator="histogram", histogram_passes=0)
 
 
 def test_model_config_plumbs_histogram_passes():
@@ -119,4 +121,4 @@ def test_model_config_plumbs_histogram_passes():
                                          ("histogram_bins", True), ("histogram_bins", 2.5)])
 def test_counts_must_be_ints_not_bools_or_floats(field, value):
     with pytest.raises(ValueError, match=field):
-        R.BalancingConfig(method="quantile", quantile_estimator="histogram", **{field: value})
+        B.QuantileBalancing(quantile_estimator="histogram", **{field: value})

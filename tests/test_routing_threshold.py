@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.ops import balance_metrics as M
+from k3jax.ops import balancing as B
 from k3jax.ops import routing as R
+from k3jax.ops import threshold_routing as T
 
 E, K, N = 32, 4, 4096
 MEAN = N * K / E
@@ -24,10 +27,10 @@ def _scores(temperature: float, sigma: float = 1.75, seed: int = 0) -> jax.Array
 
 
 def _one_step(scores):
-    cfg = R.BalancingConfig(method="quantile_threshold")
-    state = R.init_balancing_state(cfg, E)
-    routing, demand = R.threshold_route(scores, K, state)
-    out = R.balance(cfg, scores, routing, jnp.zeros(E), state, demand_loads=demand)
+    cfg = B.QuantileThreshold()
+    state = B.init_balancing_state(cfg, E)
+    routing, demand = T.threshold_route(scores, K, state)
+    out = B.balance(cfg, scores, routing, jnp.zeros(E), state, demand_loads=demand)
     return routing, np.asarray(demand), np.asarray(out.stats["loads"]), out
 
 
@@ -51,7 +54,7 @@ def test_no_expert_ends_above_the_capacity(temperature):
     over, under, cap = _flags(demand)
     assert over.sum() == 2 and under.sum() >= 1
     assert loads.max() <= cap, (loads.max() / MEAN, cap / MEAN)
-    assert R.max_vio(jnp.asarray(loads)) < R.max_vio(jnp.asarray(demand))
+    assert M.max_vio(jnp.asarray(loads)) < M.max_vio(jnp.asarray(demand))
     # the boosted experts stay at or under the cap (before the fix: 7.5x mean at T = 6)
     assert loads[under].max() <= cap
 
@@ -67,7 +70,7 @@ def test_capacity_sits_at_the_95th_percentile_so_maxvio_keeps_the_third_expert()
     assert top3[2] <= cap <= top3[1]
     np.testing.assert_array_equal(loads[over], cap)  # both flagged experts end exactly at the cap
     assert loads.max() == cap
-    vio_after, vio_demand = float(R.max_vio(jnp.asarray(loads))), float(R.max_vio(jnp.asarray(demand)))
+    vio_after, vio_demand = float(M.max_vio(jnp.asarray(loads))), float(M.max_vio(jnp.asarray(demand)))
     assert vio_after >= top3[2] / MEAN - 1
     assert 3.5 < vio_after < vio_demand - 0.8 and vio_demand > 4.5
 

@@ -50,13 +50,13 @@ class ModelConfig:
       moe_score_func: "softmax" or "sigmoid" router scores.
       moe_routed_scaling_factor: multiplies the routed combine weights.
       moe_balancing: "none" | "aux_loss" | "seq_aux_loss" | "loss_free" | "quantile" |
-        "quantile_threshold" (see `k3jax.ops.routing.BalancingConfig`).
+        "quantile_threshold" (see `k3jax.ops.balancing`).
       moe_aux_loss_alpha: None = the method's default (1e-2 Switch, 1e-4 sequence-wise).
       moe_quantile_estimator: "exact" or "histogram" (Quantile Balancing).
       moe_histogram_bins, moe_ema: histogram bins; optional EMA of the QB bias over steps.
       moe_histogram_passes: 1 (K3) or 2 (refinement histogram inside the quantile's bin, bins² resolution).
       moe_quantile_iterations: dual steps of Quantile Balancing per training step (1 = K3; see
-        `k3jax.ops.routing.BalancingConfig.quantile_iterations`).
+        `k3jax.ops.balancing.QuantileBalancing.quantile_iterations`).
       moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
       moe_dispatch_implementation: grouped-matmul implementation of the dropless experts (None = the
         best one tested for the call, see `k3jax.ops.dispatch.grouped_matmul`; checked by the layer).
@@ -143,19 +143,20 @@ class ModelConfig:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps!r}")
 
     def balancing_config(self):
-        """The `k3jax.ops.routing.BalancingConfig` of the MoE layers."""
-        from k3jax.ops.routing import BalancingConfig  # noqa: PLC0415
+        """The `k3jax.ops.balancing` method config of the MoE layers (the moe_* fields it uses)."""
+        from k3jax.ops.balancing import balancing_config  # noqa: PLC0415
+        alpha = {} if self.moe_aux_loss_alpha is None else {"alpha": self.moe_aux_loss_alpha}
+        quantile = dict(quantile_estimator=self.moe_quantile_estimator, histogram_bins=self.moe_histogram_bins,
+                        ema=self.moe_ema, histogram_passes=self.moe_histogram_passes,
+                        quantile_iterations=self.moe_quantile_iterations)
+        options = {"aux_loss": alpha, "seq_aux_loss": alpha, "quantile": quantile}.get(self.moe_balancing, {})
         try:
-            return BalancingConfig(method=self.moe_balancing, aux_loss_alpha=self.moe_aux_loss_alpha,
-                                   quantile_estimator=self.moe_quantile_estimator,
-                                   histogram_bins=self.moe_histogram_bins, ema=self.moe_ema,
-                                   histogram_passes=self.moe_histogram_passes,
-                                   quantile_iterations=self.moe_quantile_iterations)
+            return balancing_config(self.moe_balancing, **options)
         except ValueError as e:
             fields = ("histogram_passes", "histogram_bins", "quantile_iterations", "quantile_estimator",
-                      "aux_loss_alpha", "ema", "method")
+                      "alpha", "ema", "method")
             field = next((f for f in fields if f in str(e)), "method")
-            name = "moe_balancing" if field == "method" else f"moe_{field}"
+            name = {"method": "moe_balancing", "alpha": "moe_aux_loss_alpha"}.get(field, f"moe_{field}")
             raise ValueError(f"model.{name}: {e}") from e
 
     @property

@@ -1,6 +1,6 @@
 """Mixture-of-Experts SwiGLU feed-forward (flax NNX): router, balancing, dropless/capacity dispatch.
 
-The math lives in :mod:`k3jax.ops.routing` and :mod:`k3jax.ops.dispatch`; this module owns the
+The math lives in :mod:`k3jax.ops.routing`, :mod:`k3jax.ops.balancing` and :mod:`k3jax.ops.dispatch`; this module owns the
 parameters and wires them together. Sources: DeepSeekMoE / DeepSeek-V3 §2.1 (routed + shared
 experts, sigmoid router, selection bias), Kimi K3 §2.3.3 (Quantile Balancing), Switch (capacity).
 
@@ -24,8 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding as sharding_lib
 from k3jax.ops import dispatch as dispatch_ops
+from k3jax.ops import balancing as balancing_ops
 from k3jax.ops import routing as routing_ops
-from k3jax.ops.routing import BalancingConfig
+from k3jax.ops import threshold_routing
+from k3jax.ops.balancing import BalancingMethod, NoBalancing
 
 __all__ = ["BalancingState", "MoEFeedForward", "RouterBias"]
 
@@ -56,7 +58,7 @@ class MoEFeedForward(nnx.Module):
         ``num_shared_experts · d_ff`` whose output is added unweighted.
       score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
       routed_scaling_factor: multiplies the routed gate weights (DeepSeek-V3).
-      balancing: :class:`~k3jax.ops.routing.BalancingConfig`.
+      balancing: a :mod:`k3jax.ops.balancing` method config.
       capacity_factor: None = dropless (grouped matmul); a float = capacity dispatch with dropping.
       dispatch_implementation: grouped-matmul implementation name (see
         :func:`k3jax.ops.dispatch.grouped_matmul`), None = default.
@@ -82,7 +84,7 @@ class MoEFeedForward(nnx.Module):
         num_shared_experts: int = 0,
         score_func: str = "softmax",
         routed_scaling_factor: float = 1.0,
-        balancing: BalancingConfig = BalancingConfig(),
+        balancing: BalancingMethod = NoBalancing(),
         capacity_factor: float | None = None,
         dispatch_implementation: str | None = None,
         dtype: Any = jnp.bfloat16,
@@ -136,7 +138,7 @@ class MoEFeedForward(nnx.Module):
             jax.nn.initializers.normal(stddev=d_model**-0.5)(rngs.params(), (d_model, num_experts), jnp.float32)
         )
         self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
-        state = routing_ops.init_balancing_state(balancing, num_experts)
+        state = balancing_ops.init_balancing_state(balancing, num_experts)
         self.balancing_state = BalancingState(state) if state is not None else None
         self.w_gate = nnx.Param(init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
@@ -230,12 +232,9 @@ class MoEFeedForward(nnx.Module):
         logits = jnp.dot(xf.astype(jnp.float32), router.astype(jnp.float32))
         scores = routing_ops.router_scores(logits, self.score_func)
         demand = None
-        if self.balancing.method == "quantile_threshold":
-            b = self.balancing
-            routing, demand = routing_ops.threshold_route(
-                scores, self.top_k, state,
-                high_percentile=b.high_percentile, low_percentile=b.low_percentile,
-                tolerance=b.tolerance, priority_boost=b.priority_boost, score_func=self.score_func,
+        if isinstance(self.balancing, balancing_ops.QuantileThreshold):
+            routing, demand = threshold_routing.threshold_route(
+                scores, self.top_k, state, **self.balancing.route_options(), score_func=self.score_func,
                 routed_scaling_factor=self.routed_scaling_factor, token_mask=token_mask,
                 axis_names=axis_names,
             )
@@ -244,7 +243,7 @@ class MoEFeedForward(nnx.Module):
                 scores, bias, self.top_k, score_func=self.score_func,
                 routed_scaling_factor=self.routed_scaling_factor,
             )
-        out = routing_ops.balance(
+        out = balancing_ops.balance(
             self.balancing, scores, routing, bias, state, score_func=self.score_func,
             token_mask=token_mask, sequence_length=seq_len, demand_loads=demand, axis_names=axis_names,
         )
