@@ -286,7 +286,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     import jax
     import jax.numpy as jnp
 
-    from experiments.runtime import median_ms
+    from experiments.harness import median_ms
     from k3jax.ops import dispatch
     from jla.ops.mosaic_gpu import ragged_dot as jrd  # noqa: PLC0415 -- the GPU wheel, needed for every row
 
@@ -404,7 +404,7 @@ def main(argv):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     m, e = FLAGS.m, FLAGS.experts
     groups = {kind: group_sizes(m, e, kind) for kind in GROUPINGS}
-    from experiments.runtime import package_versions  # noqa: PLC0415 -- JAX is imported after torch ran
+    from experiments.harness import package_versions  # noqa: PLC0415 -- JAX is imported after torch ran
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "versions": package_versions(VERSIONED),
                "shape": dict(M=m, K=FLAGS.k, N=FLAGS.n, experts=e),

@@ -24,6 +24,16 @@ tokens (RMS ratios of o and of the five gradients). With a peer, side-by-side ta
 times; back-to-back times where the rows have them) add the ratios to the best peer, chunked / pallas
 and the H200 floor.
 
+Profile (--profile): which kernels take the time, so a gap to a peer can be pinned to a stage. Each
+(implementation, mode) is jitted, compiled and warmed up, then --iters calls run under
+`jax.profiler.trace`, each in a step annotation, parsed by harness.parse_trace (the GPU kernels on the
+device planes' stream lines, per call); fla runs first under torch.profiler (self device time per kernel
+/ --iters). "busy" is the union of kernel intervals per call, "wall" the step window (JAX) or CUDA-event
+time (fla); profilers add a little per kernel, so compare kernels within one table and walls with the
+timing mode's medians.
+  python -m experiments.bench_kda --profile --shapes=8x4096x16x128 --implementations=pallas,jla --iters=10 \
+      --warmup=3 --fla --out=$OUT/kda_peers_h200
+
 Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
      [--dtype=bfloat16 --iters=20] --out=experiments/results/kda_cpu
 Writes <out>.json and <out>.md (default --out is under /tmp, never over the committed results).
@@ -35,18 +45,19 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
-import statistics
+import subprocess
 import sys
+import tempfile
 import textwrap
-import time
 from typing import Callable
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments.harness import (environment, find_xplane, make_kda_inputs as make_inputs, parse_kda_shape,
+                                 parse_trace,  # noqa: F401
+                                 rms_ratio, time_call, STEP_NAME)
 from k3jax.ops.kda import kda
 
 FLAGS = flags.FLAGS
@@ -72,6 +83,11 @@ flags.DEFINE_integer("check_max_t", 2048, "accuracy check: the first min(T, this
 flags.DEFINE_bool("fla", False, "also time fla's chunk_kda(safe_gate=True, lower_bound=-5) in a torch "
                   "subprocess of this call (needs torch + CUDA + flash-linear-attention)")
 
+flags.DEFINE_bool("profile", False, "per-kernel device time instead of wall times: --iters calls of each "
+                  "implementation and mode under jax.profiler.trace (fla under torch.profiler with --fla), parsed into "
+                  "kernel tables; <out>.json has every kernel, <out>.md the largest --top (the committed page: "
+                  "--profile --implementations=pallas,jla --iters=10 --warmup=3 --fla --out=.../kda_peers_h200)")
+flags.DEFINE_integer("top", 14, "with --profile: kernels per table in the markdown")
 flags.DEFINE_string("declared_lower_bound", "-5", "lower_bound declared to the chunked and pallas ops: a "
                     "number in [-5, 0) or 'none' (the exact path for unbounded gates; the inputs are the same "
                     "g = -5 sigmoid(N(0,1)), which any path must get right). Peers always run their own way.")
@@ -96,56 +112,6 @@ def stream_calls() -> int:
     if FLAGS.stream_calls is not None:
         return FLAGS.stream_calls
     return 10 if jax.default_backend() == "gpu" else 0
-
-
-def make_inputs(key, B, T, H, K, dtype):
-    """Fresh ANCHORS-recipe inputs (q, k, v, g, beta, do); g fp32, others in dtype."""
-    ks = jax.random.split(key, 6)
-    q = jax.random.normal(ks[0], (B, T, H, K), dtype)
-    k = jax.random.normal(ks[1], (B, T, H, K), jnp.float32)
-    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, H, K), dtype)
-    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K), jnp.float32))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32)).astype(dtype)
-    do = jax.random.normal(ks[5], (B, T, H, K), dtype)
-    return q, k, v, g, beta, do
-
-
-def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, warmup: int,
-              stream_calls: int = 0, stream_reps: int = 0) -> dict:
-    """Median wall time of fn(*make_args(i)) over `iters` calls with fresh inputs, after warm-up, and
-    the back-to-back time per call (module docstring).
-
-    fn: a jitted callable; make_args(i) returns the i-th fresh argument tuple (built and made ready
-    before its call is timed); stream_calls, stream_reps: the back-to-back groups (0 = none).
-    Returns dict(median_ms, min_ms, max_ms, iters, compile_s) and, with back-to-back groups,
-    stream_ms (median over the groups of group time / stream_calls), stream_calls, stream_reps.
-    """
-    args = jax.block_until_ready(make_args(0))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))                                       # compile + first run
-    compile_s = time.perf_counter() - t0
-    for i in range(warmup):
-        jax.block_until_ready(fn(*jax.block_until_ready(make_args(1 + i))))
-    times = []
-    for i in range(iters):
-        args = jax.block_until_ready(make_args(1000 + i))
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    out = dict(median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), max_ms=1e3 * max(times),
-               iters=iters, compile_s=compile_s)
-    if stream_calls > 0 and stream_reps > 0:
-        groups = []
-        for i in range(stream_reps):
-            args = jax.block_until_ready(make_args(2000 + i))
-            t0 = time.perf_counter()
-            for _ in range(stream_calls):
-                last = fn(*args)              # dispatched without waiting; the stream runs them in order
-            jax.block_until_ready(last)
-            groups.append((time.perf_counter() - t0) / stream_calls)
-        out.update(stream_ms=1e3 * statistics.median(groups), stream_calls=stream_calls, stream_reps=stream_reps)
-    return out
 
 
 def implementations(chunk_size: int) -> dict[str, Callable]:
@@ -183,7 +149,7 @@ def jitted(op: Callable, mode: str) -> Callable:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-# fla's inputs in torch, make_inputs' recipe (B, T, H, K defined before; also profile_kda_peers').
+# fla's inputs in torch, make_inputs' recipe (B, T, H, K defined before; also --profile's).
 FLA_INPUTS = """\
 torch.manual_seed(0)
 q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
@@ -228,7 +194,6 @@ def run_fla(shapes) -> list[dict]:
     at once: fla's Triton autotuning can take minutes per shape, and a run cut short keeps the
     shapes it finished.
     """
-    import subprocess
     rows = []
     if FLAGS.out:
         os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
@@ -262,20 +227,6 @@ def counts(B, T, H, K, V, chunk_size):
     flops = tokens * (4 * C * K + 2 * C * K + 4 * C * V + 6 * K * V)
     bytes_ = tokens * (2 * K * 2 + 4 * K + 2 * V + 2 + 2 * V)
     return flops, bytes_
-
-
-def environment():
-    import jaxlib
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                platform=platform.platform(), cpu_count=os.cpu_count(), backend=jax.default_backend(),
-                device=jax.devices()[0].device_kind, python=sys.version.split()[0], jax=jax.__version__,
-                jaxlib=jaxlib.__version__, numpy=np.__version__)
-
-
-def rms_ratio(a, b) -> float:
-    """sqrt(mean((a - b)^2) / mean(b^2)) in fp32 (relative RMS error of a against the reference b)."""
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.sqrt(jnp.mean(jnp.square(a - b)) / jnp.maximum(jnp.mean(jnp.square(b)), 1e-30)))
 
 
 def check_errors(op: Callable, B, T, H, K, dtype) -> dict:
@@ -444,8 +395,159 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
     return lines
 
 
+FLA_PROFILE_SCRIPT = r"""
+import json, sys, torch
+from torch.profiler import profile, ProfilerActivity
+import fla
+from fla.ops.kda import chunk_kda
+B, T, H, K = (int(x) for x in sys.argv[1].lower().split("x"))
+iters, warmup, modes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+""" + FLA_INPUTS + r"""do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+kw = dict(safe_gate=True, lower_bound=-5.0)
+leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+def fwd():
+    with torch.no_grad():
+        chunk_kda(q, k, v, g, beta, **kw)
+def fb():
+    for t in leaves:              # fresh gradients each call (no accumulation into .grad)
+        t.grad = None
+    o, _ = chunk_kda(*leaves, **kw)
+    o.backward(do)
+versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
+                triton=__import__("triton").__version__)
+for mode in modes:
+    fn = fwd if mode == "fwd" else fb
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / iters
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us and e.count:
+            kernels.append(dict(kernel=e.key, ms=us / 1e3 / iters, calls=e.count / iters))
+    kernels.sort(key=lambda r: -r["ms"])
+    print("ROW" + json.dumps(dict(implementation="fla", mode=mode, wall_ms=wall, busy_ms=None,
+                                  kernels=kernels, versions=versions)), flush=True)
+"""
+
+
+def profile_fla(shape: str) -> list[dict]:
+    """fla's rows from a torch subprocess (run before JAX touches the GPU); [] when fla is missing."""
+    proc = subprocess.run([sys.executable, "-c", FLA_PROFILE_SCRIPT, shape, str(FLAGS.iters), str(FLAGS.warmup),
+                           ",".join(FLAGS.modes)], capture_output=True, text=True)
+    rows = [json.loads(line[3:]) for line in proc.stdout.splitlines() if line.startswith("ROW")]
+    if proc.returncode:
+        print("fla failed:", proc.stderr[-800:], flush=True)
+    return rows
+
+
+def profile_jax(name: str, op, mode: str, args) -> dict:
+    """One (implementation, mode): compile, warm up, --iters calls traced; kernels per call."""
+    fn = jitted(op, mode)
+    for _ in range(1 + FLAGS.warmup):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for i in range(FLAGS.iters):
+                with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
+                    jax.block_until_ready(fn(*args))
+        summary = parse_trace(trace_dir)
+    kernels = [dict(kernel=r["kernel"], ms=r["ms_per_step"], calls=r["count_per_step"]) for r in summary["ops"]]
+    return dict(implementation=name, mode=mode, wall_ms=summary["step_wall_ms"], busy_ms=summary["device_busy_ms"],
+                kernels=kernels)
+
+
+def write_profile_markdown(result: dict, path: str) -> None:
+    """The per-kernel tables of a --profile run (the largest --top kernels per implementation and mode)."""
+    env = result["environment"]
+    lines = ["# KDA per-kernel GPU time (B×T×H×K, V = K; bf16, lower_bound = −5)", "",
+             f"{result['date']}; {env.get('device', '?')}; "
+             + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("device", "date"))
+             + f"; {result['iters']} profiled calls each. Made by `experiments/bench_kda.py --profile`.", "",
+             "ms per call; busy = union of kernel intervals, wall = step window (JAX) or CUDA events (fla).", ""]
+    for r in result["rows"]:
+        total = sum(k["ms"] for k in r["kernels"])
+        busy = f"{r['busy_ms']:.3f}" if r.get("busy_ms") is not None else "—"
+        lines += [f"## {r['shape']} {r['implementation']} {r['mode']}: wall {r['wall_ms']:.3f}, busy {busy}, "
+                  f"kernels {total:.3f} ms ({len(r['kernels'])} distinct)", "",
+                  "| kernel | ms | calls | share of kernel time |", "|---|---:|---:|---:|"]
+        for k in r["kernels"][:FLAGS.top]:
+            lines.append(f"| `{k['kernel'][:90]}` | {k['ms']:.3f} | {k['calls']:g} | {k['ms'] / total:.1%} |")
+        rest = r["kernels"][FLAGS.top:]
+        if rest:
+            lines.append(f"| ({len(rest)} others) | {sum(k['ms'] for k in rest):.3f} | | |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def save_profile(rows: list[dict]) -> None:
+    """Write <out>.json and <out>.md with the rows so far (a run cut by a time limit keeps them)."""
+    fla_versions = next((r["versions"] for r in rows if "versions" in r), {})
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                  iters=FLAGS.iters, environment={**environment(), **fla_versions},
+                  rows=[{k: v for k, v in r.items() if k != "versions"} for r in rows])
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    write_profile_markdown(result, FLAGS.out + ".md")
+
+
+def profile_main() -> None:
+    """--profile: per-kernel GPU time of each implementation, mode and shape (module docstring)."""
+    if not FLAGS.out:
+        raise ValueError("--out must be a path prefix with --profile (the .json and .md are written there)")
+    if FLAGS.from_json:
+        if len(FLAGS.from_json) != 1:
+            raise ValueError(f"--from_json with --profile takes one JSON of a --profile run; got {FLAGS.from_json}")
+        with open(FLAGS.from_json[0]) as f:
+            result = json.load(f)
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        write_profile_markdown(result, FLAGS.out + ".md")
+        return
+    check_flags()
+    if FLAGS.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0; got {FLAGS.warmup}")
+    rows = []
+    if FLAGS.fla:            # every shape before JAX touches the GPU (save_profile would: it asks for the device)
+        for shape in FLAGS.shapes:
+            rows += [dict(r, shape=shape) for r in profile_fla(shape)]
+    ops = implementations(FLAGS.chunk_size)
+    for shape in FLAGS.shapes:
+        B, T, H, K = parse_kda_shape(shape)
+        args = jax.block_until_ready(make_inputs(jax.random.key(0), B, T, H, K, jnp.dtype(FLAGS.dtype)))
+        for name in FLAGS.implementations:
+            if name not in ops:
+                print(f"{name}: not available here, skipped", flush=True)
+                continue
+            for mode in FLAGS.modes:
+                rows.append(dict(profile_jax(name, ops[name], mode, args), shape=shape))
+                r = rows[-1]
+                save_profile(rows)
+                print(f"{shape} {name} {mode}: wall {r['wall_ms']:.3f} ms, busy {r['busy_ms']:.3f} ms", flush=True)
+        del args
+    save_profile(rows)
+    print("wrote", FLAGS.out + ".json", FLAGS.out + ".md", flush=True)
+
+
 def main(argv):
     del argv
+    if FLAGS.profile:
+        profile_main()
+        return
     if FLAGS.from_json:
         env, rows = load_rows(FLAGS.from_json, later_wins=FLAGS.from_json_later_wins)
         shapes = list(dict.fromkeys(f"{r['B']}x{r['T']}x{r['H']}x{r['K']}" for r in rows))

@@ -27,9 +27,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.runtime import median_ms, package_versions
+from experiments.harness import VERSIONED, median_ms, package_versions
 
-VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention", "torch")  # recorded with the results
 
 _OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_moe/moe_gemm", "Output path prefix (.json, .md); the "
                            "committed table is --out=experiments/results/moe_gemm_h200.")

@@ -22,11 +22,8 @@ Writes gate_stability.{json,md,png} under --out_dir.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import sys
 import time
 
 from absl import app, flags
@@ -34,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.harness import environment, rms_ratio
 from k3jax.ops.kda import kda_chunked, kda_gate, kda_gate_init, kda_recurrent
 from k3jax.ops.kda_chunked import _kda_chunked
 
@@ -87,14 +85,6 @@ def tile_stats(q, k, g, C):
     return max_neg, float(bad)
 
 
-def rms_ratio(ref, out):
-    ref = np.asarray(ref, np.float64)
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    if not np.all(np.isfinite(out)):
-        return float("nan")
-    return float(np.sqrt(np.mean((ref - out) ** 2)) / np.sqrt(np.mean(ref ** 2)))
-
-
 def run_grid():
     B, T, H, K = FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim
     rows = []
@@ -120,8 +110,8 @@ def run_grid():
                            g_mean=float(g.mean()), max_neg_G=max_neg, overflows=max_neg > OVERFLOW_NATS,
                            nonfinite_tile=bad_tile,
                            nonfinite_o=float(jnp.mean(~jnp.isfinite(forced.astype(jnp.float32)))),
-                           err_recurrent_fp32=rms_ratio(o64, o_rec), err_exact=rms_ratio(o64, exact),
-                           err_bounded_tile16=rms_ratio(o64, bounded), err_forced_tileC=rms_ratio(o64, forced))
+                           err_recurrent_fp32=rms_ratio(o_rec, o64), err_exact=rms_ratio(exact, o64),
+                           err_bounded_tile16=rms_ratio(bounded, o64), err_forced_tileC=rms_ratio(forced, o64))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -144,15 +134,6 @@ def run_long():
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
-
-
-def environment():
-    import jaxlib
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                platform=platform.platform(), machine=platform.machine(), processor=platform.processor(),
-                cpu_count=os.cpu_count(), backend=jax.default_backend(),
-                devices=[d.device_kind for d in jax.devices()][:1], python=sys.version.split()[0],
-                jax=jax.__version__, jaxlib=jaxlib.__version__, numpy=np.__version__)
 
 
 def to_markdown(env, rows, long_rows, config):

@@ -35,7 +35,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.runtime import CompileCounter, enable_compilation_cache, grouped_matmul_in_use, measure_matmul_rate
+from experiments.harness import CompileCounter, enable_compilation_cache, grouped_matmul_in_use, measure_matmul_rate
 from k3jax.data.corpus import load_corpus
 from k3jax.data.pipeline import eval_batches
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.harness import environment, rms_ratio
+
 flags.DEFINE_list("implementations", ["chunked", "pallas"], "kda implementations to measure")
 flags.DEFINE_list("gates", ["recipe", "near_bound", "one_fast_channel", "at_bound"], "gate cases")
 flags.DEFINE_list("scales", ["1", "1e-4", "1e-6", "1e3", "1e6"], "loss scales c")
@@ -57,11 +59,6 @@ def grad_fn(implementation):
     return jax.jit(lambda args, w, c: [x.astype(jnp.float32) / c for x in jax.grad(loss)(args, w, c)])
 
 
-def rms_ratio(ref, out):
-    ref, out = np.asarray(ref, np.float64), np.asarray(out, np.float64)
-    return float(np.sqrt(np.mean((ref - out) ** 2)) / np.sqrt(np.mean(ref ** 2)))
-
-
 def main(argv):
     del argv
     B, T, H, K = (int(v) for v in FLAGS.shape.split("x"))
@@ -75,12 +72,12 @@ def main(argv):
         for impl, fn in fns.items():
             for c in (float(s) for s in FLAGS.scales):
                 got = fn([x[n] for n in names], w, c)
-                errs = {n: rms_ratio(r, o) for n, r, o in zip(GRADS, ref, got)}
+                errs = {n: rms_ratio(o, r) for n, r, o in zip(GRADS, ref, got)}
                 if gate == "one_fast_channel":
-                    errs["dg0"] = rms_ratio(ref[3][..., 0], got[3][..., 0])
+                    errs["dg0"] = rms_ratio(got[3][..., 0], ref[3][..., 0])
                 rows.append(dict(gate=gate, implementation=impl, scale=c, **errs))
                 print(json.dumps(rows[-1]), flush=True)
-    env = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    env = environment()
     lines = [f"| gates | implementation | c | {' | '.join(GRADS)} | dg0 |", "|---|---|---|" + "---|" * (len(GRADS) + 1)]
     for r in rows:
         lines.append(f"| {r['gate']} | {r['implementation']} | {r['scale']:g} | "

@@ -66,7 +66,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.runtime import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
+from experiments.harness import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
 import k3jax.train.trainer as trainer_lib
 from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics

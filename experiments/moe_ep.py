@@ -21,9 +21,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.runtime import median_ms, package_versions
+from experiments.harness import VERSIONED, median_ms, package_versions
 
-VERSIONED = ("jax", "jaxlib", "flax", "tokamax", "jax-linear-attention")  # recorded with the results
 
 _OUT = flags.DEFINE_string("out", "/tmp/k3jax_moe_ep/moe_ep", "Output path prefix (.json, .md); the committed "
                            "table is --out=experiments/results/moe_ep_h200x2.")

@@ -4,6 +4,8 @@
       --trace_dir=$OUT/k3_small_step_trace --warmup=0 --timed=2 --steps=2   # one H200, ~3 min with compile
   python -m experiments.profile_step --config=experiments/configs/k3_tiny.py --out=/tmp/k3_tiny_step   # CPU
   python -m experiments.profile_step --from_trace=/tmp/k3_tiny_step_trace --out=/tmp/again   # re-parse only
+  python -m experiments.profile_step --layers --config=experiments/configs/k3_small_gpu.py --timed=10 --warmup=2 \
+      --out=$OUT/k3_small_layers_h200   # per-sublayer fwd+bwd time (shares of the whole model's loss + grads)
 
 For a run config (`--config`, overrides as in experiments/train.py) the model, optimizer, data loader and
 `k3jax.train.step.train_step` are built the way `k3jax.train.trainer.train` builds them (same corpus, same
@@ -31,375 +33,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import glob
 import json
 import os
-import platform
-import re
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-STEP_NAME = "train"
-# Lines a profiler adds to a device plane by deriving them from the kernels (counting them would double it).
-DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops", "Framework Name Scope",
-                 "TensorFlow Ops", "Source code", "XLA TraceMe", "Launch Stats", "TensorFlow Name Scope")
-_KIND_ORDER = ("dot", "convolution", "custom-call", "sort", "scatter", "gather", "all-to-all", "all-reduce",
-               "reduce-window", "reduce", "transpose", "dynamic-update-slice", "dynamic-slice", "concatenate",
-               "copy", "pad", "while", "conditional")
-
-
-# ----------------------------------------------------------------------------------------------- HLO text
-
-
-@dataclasses.dataclass
-class HloOp:
-    """One instruction of the compiled HLO: its opcode, kind (see `_op_kind`), JAX name stack and source
-    frames (innermost first, as (file, function, line))."""
-    name: str
-    opcode: str
-    kind: str
-    op_name: str
-    frames: list
-
-
-def _table(text: str, header: str) -> dict[int, str]:
-    m = re.search(rf"^{header}\n(.*?)(?:\n\s*\n|\Z)", text, re.S | re.M)
-    if not m:
-        return {}
-    out = {}
-    for line in m.group(1).splitlines():
-        key, _, rest = line.strip().partition(" ")
-        if key.isdigit():
-            out[int(key)] = rest
-    return out
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
-
-
-def parse_hlo(text: str) -> dict[str, HloOp]:
-    """Index a compiled HLO module's text (`Compiled.as_text()` or an XLA `*after_optimizations.txt` dump):
-    instruction name -> `HloOp`. Fusions get the kind of the most telling op they contain (dot first).
-
-    Stack frames come from the module's FileNames / FunctionNames / FileLocations / StackFrames tables; a
-    frame's printed `parent_frame_id` is one more than its parent's label (0 and 1: no parent), checked on
-    this jax (0.11.2) by the parent line calling the child's function.
-    """
-    files = {k: v.strip('"') for k, v in _table(text, "FileNames").items()}
-    funcs = {k: v.strip('"') for k, v in _table(text, "FunctionNames").items()}
-    locs = {k: {a: int(b) for a, b in re.findall(r"(\w+)=(\d+)", v)} for k, v in _table(text, "FileLocations").items()}
-    frames = {k: {a: int(b) for a, b in re.findall(r"(\w+)=(\d+)", v)} for k, v in _table(text, "StackFrames").items()}
-
-    def stack(fid: int) -> list:
-        out, seen = [], set()
-        while fid in frames and fid not in seen and len(out) < 64:
-            seen.add(fid)
-            loc = locs.get(frames[fid].get("file_location_id", 0), {})
-            out.append((files.get(loc.get("file_name_id", 0), "?"), funcs.get(loc.get("function_name_id", 0), "?"),
-                        loc.get("line", 0)))
-            fid = frames[fid].get("parent_frame_id", 0) - 1
-        return out
-
-    comp_ops: dict[str, list] = collections.defaultdict(list)
-    raw = []
-    comp = None
-    for line in text.splitlines():
-        if not line.startswith(" "):
-            m = _COMP.match(line)
-            comp = m.group(1) if m else None
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, opcode = m.groups()
-        if comp is not None:
-            comp_ops[comp].append(opcode)
-        calls = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line)
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        frame = re.search(r"stack_frame_id=(\d+)", line)
-        raw.append((name, opcode, calls, target.group(1) if target else None, op_name.group(1) if op_name else "",
-                    int(frame.group(1)) if frame else 0))
-    index = {}
-    for name, opcode, calls, target, op_name, frame in raw:
-        inner = [o for c in calls for o in comp_ops.get(c, ())]
-        index[name] = HloOp(name, opcode, _op_kind(opcode, inner, target), op_name, stack(frame))
-    return index
-
-
-def _op_kind(opcode: str, inner: list, target: str | None) -> str:
-    if opcode == "custom-call":
-        return f"custom-call:{target}" if target else "custom-call"
-    if opcode != "fusion":
-        return opcode
-    present = set(inner)
-    for kind in _KIND_ORDER:
-        if kind in present:
-            return kind
-    return "elementwise"
-
-
-def _short(path: str) -> str:
-    for root in ("k3jax/", "pallas_kernels/", "experiments/"):
-        i = path.rfind("/" + root)
-        if i >= 0:
-            return path[i + 1:]
-    for pkg in ("optax", "flax", "jax", "tokamax", "jax_linear_attention"):
-        i = path.rfind(f"/{pkg}/")
-        if i >= 0:
-            return path[i + 1:]
-    return os.path.basename(path)
-
-
-def component_of(op: HloOp | None) -> str:
-    """Model component of an HLO op: the innermost `k3jax/nn` module method on its stack, else the optimizer
-    when optax/flax's optimizer is on it, else the outermost `k3jax/ops` (or pallas_kernels) function, else the
-    innermost k3jax function, else its innermost frame; "(no source)" without metadata."""
-    if op is None or not op.frames:
-        return "(no source)"
-    short = [(_short(f), fn, line) for f, fn, line in op.frames]
-    for f, fn, _ in short:
-        if f.startswith("k3jax/nn/"):
-            return f"{f}:{fn}"
-    if any(f.startswith("optax/") or f.endswith("nnx/training/optimizer.py") for f, _, _ in short):
-        return "optimizer (optax)"
-    for f, fn, _ in reversed(short):  # the outermost op (kda_chunked), not the helper it calls
-        if f.startswith(("k3jax/ops/", "pallas_kernels/")):
-            return f"{f}:{fn}"
-    for f, fn, _ in short:
-        if f.startswith("k3jax/"):
-            return f"{f}:{fn}"
-    return f"{short[0][0]}:{short[0][1]}"
-
-
-def source_of(op: HloOp | None) -> str:
-    """The innermost k3jax (or pallas_kernels) source line of an HLO op, else its innermost frame."""
-    if op is None or not op.frames:
-        return "(no source)"
-    for f, fn, line in op.frames:
-        s = _short(f)
-        if s.startswith(("k3jax/", "pallas_kernels/")):
-            return f"{s}:{line} {fn}"
-    f, fn, line = op.frames[0]
-    return f"{_short(f)}:{line} {fn}"
-
-
-def phase_of(op: HloOp | None) -> str:
-    """"backward" (name stack has `transpose(`), "optimizer", "forward" (under `jvp(`), else "other"."""
-    if op is None:
-        return "other"
-    if "transpose(" in op.op_name:
-        return "backward"
-    if component_of(op) == "optimizer (optax)":
-        return "optimizer"
-    if "jvp(" in op.op_name:
-        return "forward"
-    return "other"
-
-
-# ----------------------------------------------------------------------------------------------- trace
-
-
-@dataclasses.dataclass
-class OpEvent:
-    name: str        # kernel name (GPU) or thunk name (CPU)
-    hlo_op: str      # HLO instruction it runs ('' when the trace does not say)
-    module: str      # HLO module ('' when the trace does not say)
-    start_ns: float
-    dur_ns: float
-    where: str       # plane / line
-
-
-def _stats(event) -> dict:
-    try:
-        return dict(event.stats)
-    except Exception:  # noqa: BLE001 -- an event whose stats the binding cannot read
-        return {}
-
-
-def find_xplane(path: str) -> str:
-    """The newest `.xplane.pb` under `path` (a file is returned as is). Raises FileNotFoundError."""
-    if os.path.isfile(path):
-        return path
-    files = sorted(glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise FileNotFoundError(f"no .xplane.pb under {path=}")
-    return files[-1]
-
-
-def read_trace(path: str) -> dict:
-    """Read a profiler trace into op events, step windows and a plane/line inventory.
-
-    Device planes (`/device:*`, not CPU) win: their stream lines hold the kernels (lines in DERIVED_LINES
-    are skipped; a plane with only an "XLA Ops" line uses that). Without device events, op events are the
-    host events that carry an `hlo_op` stat (XLA:CPU thunks). Steps are the host events named STEP_NAME.
-    """
-    pd = jax.profiler.ProfileData.from_file(find_xplane(path))
-    device, host, steps, host_events, inventory = [], [], [], [], []
-    for plane in pd.planes:
-        is_device = plane.name.startswith("/device:") and not plane.name.startswith("/device:CPU")
-        lines = list(plane.lines)
-        names = [ln.name for ln in lines]
-        for line in lines:
-            derived = line.name in DERIVED_LINES
-            use_line = is_device and (not derived or (line.name == "XLA Ops" and
-                                                      all(n in DERIVED_LINES for n in names)))
-            n = 0
-            for ev in line.events:
-                n += 1
-                if ev.name == STEP_NAME and not is_device:
-                    steps.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-                    continue
-                if use_line:
-                    st = _stats(ev)
-                    device.append(OpEvent(ev.name, str(st.get("hlo_op", "")), str(st.get("hlo_module", "")),
-                                          ev.start_ns, ev.duration_ns, f"{plane.name} | {line.name}"))
-                elif not is_device:
-                    st = _stats(ev)
-                    if "hlo_op" in st:
-                        host.append(OpEvent(ev.name, str(st["hlo_op"]), str(st.get("hlo_module", "")),
-                                            ev.start_ns, ev.duration_ns, f"{plane.name} | {line.name}"))
-                    elif not ev.name.startswith("$") and ev.duration_ns > 0:
-                        host_events.append((ev.name, ev.start_ns, ev.duration_ns))
-            inventory.append({"plane": plane.name, "line": line.name, "events": n})
-    return {"ops": device if device else host, "op_source": "device planes" if device else "host threads (hlo_op)",
-            "steps": sorted(steps), "host_events": host_events, "inventory": inventory}
-
-
-def self_times(ops: list[OpEvent]) -> list[float]:
-    """Each event's duration minus that of the events nested inside it on the same line (a control-flow
-    thunk around its body's thunks on XLA:CPU); device kernels do not nest, so there it is the duration."""
-    out = [0.0] * len(ops)
-    by_line: dict[str, list[int]] = collections.defaultdict(list)
-    for i, o in enumerate(ops):
-        by_line[o.where].append(i)
-    for idx in by_line.values():
-        idx.sort(key=lambda i: (ops[i].start_ns, -ops[i].dur_ns))
-        stack: list[int] = []
-        for i in idx:
-            o = ops[i]
-            while stack and ops[stack[-1]].start_ns + ops[stack[-1]].dur_ns <= o.start_ns:
-                stack.pop()
-            out[i] += o.dur_ns
-            if stack and o.start_ns + o.dur_ns <= ops[stack[-1]].start_ns + ops[stack[-1]].dur_ns:
-                out[stack[-1]] -= o.dur_ns
-            stack.append(i)
-    return out
-
-
-def _kernel_key(name: str) -> str:
-    return re.sub(r"[.\-]", "_", name)
-
-
-def _union_ns(intervals) -> float:
-    total, end = 0.0, -np.inf
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
-def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: int = 40) -> dict:
-    """Per-op table, device-busy vs step wall time and groupings from `read_trace`'s output.
-
-    `ops` holds every distinct (kernel, HLO op), longest first; `top` is how many the markdown shows.
-    Only op events inside the step windows count (all of them when the trace has no step events). Times
-    are per step (ms): self time (`self_times`) summed over the traced steps / number of steps; `share` =
-    of the step wall time; device busy = union of the op intervals.
-    """
-    steps = trace["steps"]
-    ops = trace["ops"]
-    windowed = bool(steps)
-    if steps:
-        lo, hi = steps[0][0], steps[-1][1]
-        inside = [o for o in ops if lo <= o.start_ns < hi]
-        windowed = bool(inside) or not ops
-        ops = inside if windowed else ops  # no op inside the steps: clocks not aligned; count every op
-        n_steps = len(steps)
-        wall_ns = sum(e - s for s, e in steps)
-    else:
-        n_steps = 1
-        wall_ns = (max(o.start_ns + o.dur_ns for o in ops) - min(o.start_ns for o in ops)) if ops else 0.0
-    hlo = dict(hlo or {})
-    for name, op in list(hlo.items()):  # GPU kernels of XLA fusions are named like the fusion, '.' -> '_'
-        hlo.setdefault(_kernel_key(name), op)
-    per_step = lambda ns: ns / n_steps / 1e6  # noqa: E731  ns over the trace -> ms per step
-    wall_ms = per_step(wall_ns)
-    busy_ms = per_step(_union_ns([(o.start_ns, o.start_ns + o.dur_ns) for o in ops]))
-    selfs = self_times(ops)
-    op_ms = per_step(sum(selfs))
-
-    rows: dict[tuple, dict] = {}
-    for o, self_ns in zip(ops, selfs):
-        key = (o.name, o.hlo_op)
-        r = rows.get(key)
-        if r is None:
-            h = hlo.get(o.hlo_op) or hlo.get(o.name) or hlo.get(_kernel_key(o.name))
-            r = rows[key] = {"kernel": o.name, "hlo_op": o.hlo_op, "module": o.module,
-                             "kind": h.kind if h else "", "phase": phase_of(h) if h else "",
-                             "component": component_of(h) if hlo else "", "source": source_of(h) if hlo else "",
-                             "op_name": h.op_name if h else "", "ns": 0.0, "count": 0}
-        r["ns"] += self_ns
-        r["count"] += 1
-    table = sorted(rows.values(), key=lambda r: -r["ns"])
-    for r in table:
-        r["ms_per_step"] = per_step(r.pop("ns"))
-        r["count_per_step"] = r["count"] / n_steps
-        r["share_of_step"] = r["ms_per_step"] / wall_ms if wall_ms else 0.0
-
-    def group(key: str) -> list[dict]:
-        acc: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-        for r in table:
-            acc[r[key] or "(unmapped)"][0] += r["ms_per_step"]
-            acc[r[key] or "(unmapped)"][1] += r["count_per_step"]
-        return [{key: k, "ms_per_step": v[0], "count_per_step": v[1], "share_of_step": v[0] / wall_ms if wall_ms else 0.0}
-                for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])]
-
-    host_rows = []
-    if steps:
-        acc: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-        for name, s, d in trace["host_events"]:
-            if lo <= s < hi:
-                acc[name][0] += d
-                acc[name][1] += 1
-        host_rows = [{"name": k, "ms_per_step": per_step(v[0]), "count_per_step": v[1] / n_steps}
-                     for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])[:15]]
-    mapped = sum(r["ms_per_step"] for r in table if r["kind"])
-    return {"op_source": trace["op_source"], "steps": n_steps, "ops_windowed_to_steps": windowed, "step_wall_ms": wall_ms, "device_busy_ms": busy_ms,
-            "op_time_ms": op_ms, "idle_ms": wall_ms - busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms else 0.0,
-            "op_events_per_step": len(ops) / n_steps, "hlo_mapped_ms": mapped, "ops": table, "top": top,
-            "num_distinct_ops": len(table), "by_kind": group("kind") if hlo else [],
-            "by_component": group("component") if hlo else [], "by_phase": group("phase") if hlo else [],
-            "by_source": group("source")[:25] if hlo else [], "by_module": group("module"),
-            "host_events": host_rows, "inventory": trace["inventory"]}
-
-
-def parse_trace(path: str, *, hlo_text: str | None = None, top: int = 40) -> dict:
-    """`summarize_trace(read_trace(path), hlo=parse_hlo(hlo_text))`: the profile of a trace folder or file."""
-    return summarize_trace(read_trace(path), hlo=parse_hlo(hlo_text) if hlo_text else None, top=top)
-
-
-def read_hlo_dump(folder: str, module: str = "train_step", *, keep_only: bool = False) -> str | None:
-    """The after-optimizations HLO text XLA dumped for the (largest) module whose name contains `module`.
-    `keep_only`: delete the dump's other files (before-optimization HLO, buffer assignment, PTX, LLVM IR),
-    keeping the folder small enough to copy back from a device machine."""
-    files = glob.glob(os.path.join(folder, f"*{module}*after_optimizations.txt"))
-    if not files:
-        return None
-    chosen = max(files, key=os.path.getsize)
-    if keep_only:
-        for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
-            if os.path.isfile(path) and path != chosen:
-                os.remove(path)
-    with open(chosen) as f:
-        return f.read()
+from experiments.harness import (CompileCounter, STEP_NAME, environment as _environment, find_xplane,  # noqa: F401
+                                 median_ms, parse_trace, read_hlo_dump, write_results)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -436,7 +79,7 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     Raises:
       ValueError: steps < 1, timed < 1, warmup < 0 or an unknown `hlo`.
     """
-    from experiments.runtime import CompileCounter  # noqa: PLC0415
+    from experiments.harness import CompileCounter  # noqa: PLC0415
     from k3jax.train.step import train_step  # noqa: PLC0415
     if steps < 1 or timed < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1, timed >= 1, warmup >= 0, got {steps=}, {timed=}, {warmup=}")
@@ -503,13 +146,8 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
 
 
 def environment(cfg) -> dict:
-    import flax  # noqa: PLC0415
-    import jaxlib  # noqa: PLC0415
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.node()})",
-            "backend": jax.default_backend(), "python": sys.version.split()[0], "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg}
+    """harness.environment plus the run config."""
+    return _environment(config=dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg)
 
 
 def _ms(x: float) -> str:
@@ -573,15 +211,106 @@ def write(result: dict, out: str) -> None:
         f.write(render(result))
 
 
+# ----------------------------------------------------------------------------------------------- --layers
+
+
+def _median_ms(fn, *args, iters: int, warmup: int) -> tuple[float, float]:
+    """(median ms of `iters` calls after `warmup`, seconds of the first call: compilation + one run)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    return median_ms(fn, *args, iters=iters, warmup=warmup), compile_s
+
+
+def _time_module(module, x, call, *, iters: int, warmup: int):
+    """Median ms of value_and_grad of sum(call(module, x) * cot) w.r.t. (params, x)."""
+    from flax import nnx  # noqa: PLC0415
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    cot = jax.random.normal(jax.random.PRNGKey(1), x.shape, jnp.float32).astype(x.dtype)
+
+    def loss(params, x):
+        m = nnx.merge(graphdef, params, rest)
+        y = call(m, x)
+        return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
+
+    return _median_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, iters=iters, warmup=warmup)
+
+
+def profile_layers(cfg, *, iters: int, warmup: int) -> tuple[dict, list[dict]]:
+    """--layers: forward+backward time of each distinct sublayer (built as `LanguageModel` builds it) and of
+    the whole LM loss at the config's batch x seq_len; rows with ms each, ms/step (x count) and share of
+    the whole-model time. Returns (environment, rows)."""
+    from flax import nnx  # noqa: PLC0415
+    from experiments.harness import median_ms  # noqa: PLC0415
+    from k3jax.models import lm as lm_lib  # noqa: PLC0415
+    from k3jax.train import step as step_lib  # noqa: PLC0415
+    timing = dict(iters=iters, warmup=warmup)
+    m = cfg.model
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    dtype = lm_lib._dtype(m.dtype)  # noqa: SLF001 -- same dtype rule as the model
+    x = (jax.random.normal(jax.random.PRNGKey(0), (B, T, m.d_model)) * 0.5).astype(dtype)
+    segment_ids = jnp.ones((B, T), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    pattern = (m.mixer_pattern * m.num_layers)[: m.num_layers]
+    rows = []
+    for letter in sorted(set(pattern)):
+        mixer = lm_lib._make_mixer(m, letter, nnx.Rngs(0))  # noqa: SLF001
+        ms, c = _time_module(mixer, x, lambda mod, x: mod(x, segment_ids=segment_ids, positions=positions), **timing)
+        rows.append(dict(sublayer=f"mixer {letter} ({type(mixer).__name__})", count=pattern.count(letter),
+                         ms=ms, compile_s=c))
+        print(json.dumps(rows[-1]), flush=True)
+    ffn = lm_lib._make_ffn(m, nnx.Rngs(0))  # noqa: SLF001
+    if m.ffn == "mlp":
+        call = lambda mod, x: mod(x)  # noqa: E731
+    else:
+        call = lambda mod, x: mod(x, segment_ids=segment_ids, train=True)[0]  # noqa: E731
+    ms, c = _time_module(ffn, x, call, **timing)
+    rows.append(dict(sublayer=f"ffn ({type(ffn).__name__})", count=m.num_layers, ms=ms, compile_s=c))
+    print(json.dumps(rows[-1]), flush=True)
+
+    model = lm_lib.LanguageModel(m, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T + 1), 0, m.vocab_size, jnp.int32)
+    batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids, positions=positions,
+                 loss_mask=jnp.ones((B, T), bool))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def lm_loss(params):  # the train step's loss: cross-entropy + balancing loss terms
+        return step_lib._forward_loss(nnx.merge(graphdef, params, rest), batch, True)[0]  # noqa: SLF001
+
+    ms, c = _median_ms(jax.jit(jax.value_and_grad(lm_loss)), params, **timing)
+    whole = dict(sublayer="whole model (loss + grads)", count=1, ms=ms, compile_s=c)
+    print(json.dumps(whole), flush=True)
+    for r in rows:
+        r["ms_per_step"] = r["ms"] * r["count"]
+        r["share"] = r["ms_per_step"] / ms
+    rows.append(dict(whole, ms_per_step=ms, share=1.0))
+    env = _environment(tokens_per_step=B * T, model=dataclasses.asdict(m) if dataclasses.is_dataclass(m) else str(m))
+    return env, rows
+
+
+def render_layers(env: dict, rows: list[dict]) -> str:
+    """The markdown table of `profile_layers`."""
+    lines = [f"# Step-time breakdown ({env['date']}, {env['device']})", "",
+             f"jax {env['jax']}, flax {env['flax']}; `experiments/profile_step.py --layers`; {env['tokens_per_step']:,} tokens per call; forward+backward "
+             f"medians. ms/step = ms x sublayers of that type; share = of the whole model's time.", "",
+             "| sublayer | count | ms each | ms/step | share | compile s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['sublayer']} | {r['count']} | {r['ms']:.2f} | {r['ms_per_step']:.2f} | "
+                     f"{100 * r['share']:.0f}% | {r['compile_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 
 def _define_flags():
     """Command-line flags, defined only when run as a script (tests import experiment modules together)."""
-    global _CONFIG, _OUT, _TRACE_DIR, _WARMUP, _TIMED, _STEPS, _HLO, _PYTHON_TRACER, _TOP, _FROM_TRACE, _HLO_DIR
+    global _LAYERS, _CONFIG, _OUT, _TRACE_DIR, _WARMUP, _TIMED, _STEPS, _HLO, _PYTHON_TRACER, _TOP, _FROM_TRACE, _HLO_DIR
     from absl import flags  # noqa: PLC0415
     from ml_collections import config_flags  # noqa: PLC0415
     _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
+    _LAYERS = flags.DEFINE_bool("layers", False, "Instead of the trace: forward+backward time of each sublayer type "
+                                "and of the whole LM loss (median of --timed calls after --warmup).")
     _OUT = flags.DEFINE_string("out", "/tmp/profile_step", "Output prefix (<out>.json, <out>.md).")
     _TRACE_DIR = flags.DEFINE_string("trace_dir", "", "Profiler trace folder ('' = <out>_trace).")
     _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps after the compiling first step.")
@@ -601,6 +330,12 @@ def _define_flags():
 def main(argv):
     del argv
     from k3jax.train.config import run_config_from_dict  # noqa: PLC0415
+    if _LAYERS.value:
+        env, rows = profile_layers(run_config_from_dict(_CONFIG.value.to_dict()), iters=_TIMED.value,
+                                   warmup=_WARMUP.value)
+        write_results(_OUT.value, dict(environment=env, rows=rows), render_layers(env, rows))
+        print(render_layers(env, rows))
+        return
     if _FROM_TRACE.value:
         hlo_dir = _HLO_DIR.value or os.path.join(_FROM_TRACE.value, "hlo")
         hlo_text = read_hlo_dump(hlo_dir) if os.path.isdir(hlo_dir) else None
