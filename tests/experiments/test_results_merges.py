@@ -1,6 +1,8 @@
-"""Merging result files of separate processes: moe_balance --merge refuses runs of different base
-configs; bench_kda --from_json describes the merged rows (not its own flags) and refuses duplicates."""
+"""Results logic of the scripts: bench_kda's accuracy rows, --from_json merges (header from the rows,
+duplicates refused, later wins), flag checks and --profile tables; moe_balance's merge, run order and
+outputs. Scripts define absl flags at import, so bench_kda runs in subprocesses."""
 import json
+import os
 import subprocess
 import sys
 
@@ -8,6 +10,8 @@ import jax
 import pytest
 
 from experiments import moe_balance
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _row(seed: int, val_loss: float) -> dict:
@@ -53,7 +57,7 @@ def _bench_kda(*args, cwd):
 
 
 def test_bench_kda_from_json_header_and_duplicates(tmp_path):
-    repo = __file__.rsplit("/tests/", 1)[0]
+    repo = REPO
     env = dict(date="2026-12-01T00:00:00+00:00", platform="p", cpu_count=2, backend="cpu", device="cpu",
                python="3.12", jax="0.11.2", jaxlib="0.11.2", numpy="2")
     row = dict(implementation="chunked", mode="fwd", B=1, T=64, H=1, K=16, V=16, dtype="float32", chunk_size=64,
@@ -105,10 +109,109 @@ def test_moe_balance_finds_used_run_directories(tmp_path):
 
 
 def test_bench_kda_rejects_flag_typos_before_timing(tmp_path):
-    repo = __file__.rsplit("/tests/", 1)[0]
+    repo = REPO
     for flag, message in (("--modes=fwd,bwd", "--modes"), ("--implementations=chunkd", "--implementations"),
                           ("--shapes=1x64x1", "--shapes"), ("--declared_lower_bound=-7", "--declared_lower_bound"),
                           ("--declared_lower_bound=unbounded", "--declared_lower_bound"),
                           ("--stream_calls=-1", "--stream_calls"), ("--iters=0", "--iters")):
         r = _bench_kda(flag, "--out=", cwd=repo)
         assert r.returncode != 0 and message in r.stderr, (flag, r.stderr[-1000:])
+
+
+def _run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "experiments.bench_kda", *args], cwd=cwd, capture_output=True,
+                          text=True, check=True, timeout=600)
+
+
+def test_check_rows_and_merge_with_fla_rows(tmp_path):
+    repo = REPO
+    out = tmp_path / "kda"
+    _run("--shapes=1x64x1x16", "--implementations=chunked", "--iters=1", "--warmup=0", "--check_max_t=32",
+         "--stream_calls=3", "--stream_reps=2", f"--out={out}", cwd=repo)
+    saved = json.loads((tmp_path / "kda.json").read_text())
+    check = [r for r in saved["rows"] if r["mode"] == "check"]
+    assert len(check) == 1 and check[0]["check_T"] == 32
+    errs = check[0]["rms_ratio_vs_fp32_recurrent"]
+    assert set(errs) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert all(0.0 < e < 1e-2 for e in errs.values()), errs      # bf16 inputs vs the fp32 oracle: nonzero, small
+    fla_row = dict(implementation="fla", mode="fwd", B=1, T=64, H=1, K=16, V=16, median_ms=2.0 * min(
+        r["median_ms"] for r in saved["rows"] if r["mode"] == "fwd"))
+    (tmp_path / "kda_fla.jsonl").write_text(json.dumps(fla_row) + "\n")
+    _run(f"--from_json={tmp_path / 'kda.json'},{tmp_path / 'kda_fla.jsonl'}", f"--out={tmp_path / 'merged'}",
+         cwd=repo)
+    md = (tmp_path / "merged.md").read_text()
+    timed = {r["mode"]: r for r in saved["rows"] if r["mode"] != "check"}
+    assert all(r["stream_ms"] > 0 and (r["stream_calls"], r["stream_reps"]) == (3, 2) for r in timed.values())
+    fwd = [line for line in md.splitlines() if line.startswith("| 1×64×1 | fwd |")]
+    assert len(fwd) == 2                                        # wall-time and back-to-back tables
+    wall, device = ([c.strip() for c in line.strip("|").split("|")] for line in fwd)
+    assert wall[5] == device[5] == f"{fla_row['median_ms']:.2f}"   # the fla column comes from the .jsonl
+    assert wall[7] == "0.50"                                    # chunked / best peer
+    assert device[3] == f"{timed['fwd']['stream_ms']:.2f}"      # the JAX rows by their back-to-back times
+    assert device[7] == f"{timed['fwd']['stream_ms'] / fla_row['median_ms']:.2f}"
+
+
+def test_bench_kda_profile_tables_from_a_cpu_trace(tmp_path):
+    """bench_kda --profile end to end on CPU (the chunked op, XLA:CPU thunks as the "kernels"):
+    one row per mode with nonzero kernel times and a device-busy time within the traced wall time, the
+    markdown re-written from the JSON, and bad flags refused."""
+    repo = REPO
+    run = lambda *a, check=True: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "experiments.bench_kda", "--profile", *a], cwd=repo, capture_output=True, text=True,
+        check=check, timeout=600)
+    out = tmp_path / "peers"
+    run("--shapes=1x128x1x16", "--implementations=chunked", "--iters=2", "--warmup=0", f"--out={out}")
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert [(r["implementation"], r["mode"]) for r in saved["rows"]] == [("chunked", "fwd"), ("chunked", "fwd+bwd")]
+    for r in saved["rows"]:
+        assert r["kernels"] and sum(k["ms"] for k in r["kernels"]) > 0.0, r
+        assert 0.0 < r["busy_ms"] <= 1.05 * r["wall_ms"], r
+    run(f"--from_json={out}.json", f"--out={tmp_path / 'again' / 'peers'}")
+    assert (tmp_path / "again" / "peers.md").read_text() == (tmp_path / "peers.md").read_text()
+    bad = run("--from_json=a.json,b.json", f"--out={out}", check=False)
+    assert bad.returncode != 0 and "--from_json with --profile takes one JSON" in bad.stderr
+
+
+def test_experiment_modules_the_tests_import_coexist_in_one_process():
+    """pytest-xdist puts any two test files in one worker: the experiment modules tests import in-process
+    must not define clashing absl flags at import."""
+    repo = REPO
+    mods = ("bench_grouped_gemm_ops", "depth_residuals", "moe_balance", "qb_convergence")
+    code = "import importlib\n" + "".join(f"importlib.import_module('experiments.{m}')\n" for m in mods)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+
+
+_MOE_BALANCE_CHECKS = """
+import json, os, sys
+from experiments import moe_balance
+assert moe_balance.run_order(["a", "b"], [0, 1], "seed_major") == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+assert moe_balance.run_order(["a", "b"], [0, 1], "method_major") == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+walls = {"a": [30.0, 5.0], "b": [40.0]}
+assert moe_balance.expected_run_seconds("a", walls) == 5.0       # cached executables
+assert moe_balance.expected_run_seconds("c", walls) == 40.0      # a first run compiles
+assert moe_balance.expected_run_seconds("c", {}) == 0.0
+run = {"curve_steps": [10, 20], "max_vio_curve": [1.0, 0.1], "val_loss": 2.5, "max_vio_after_warmup": 0.1,
+       "max_vio_global": 0.05, "cv_after_warmup": 0.2, "dropped_fraction_after_warmup": 0.0,
+       "dead_experts_after_warmup": 0.0, "diverted_fraction_after_warmup": 0.0, "tokens_per_s": 1000.0,
+       "compile": {"backend_compile_s": 12.5}}
+meta = {"date": "d", "device": "cpu", "num_experts": 4, "top_k": 2, "steps": 20, "seeds": ["0", "1"],
+        "warmup_frac": 0.25, "skipped": [("b", 1)], "time_budget_s": 100.0}
+stem = sys.argv[1]
+moe_balance._write({"a": [run, dict(run, val_loss=2.7, compile={"backend_compile_s": 0.5})]}, meta, stem)
+md = open(stem + ".md").read()
+assert "| a | 2 | 2.6000 \u00b1 0.1000 | 0.100 \u00b1 0.000 |" in md and "12.5 / 0.5" in md, md
+assert "b seed 1" in md
+assert json.load(open(stem + ".json"))["results"]["a"][1]["val_loss"] == 2.7
+assert os.path.getsize(stem + ".png") > 0
+"""
+
+
+def test_moe_balance_run_order_budget_and_outputs(tmp_path):
+    """Run order, budget estimate and the md/json/png of moe_balance, in a subprocess: experiment scripts
+    define absl flags at import (moe_balance and depth_residuals both define --seeds), so importing both
+    into one pytest worker raises DuplicateFlagError."""
+    repo = REPO
+    proc = subprocess.run([sys.executable, "-c", _MOE_BALANCE_CHECKS, str(tmp_path / "mb")], capture_output=True,
+                          text=True, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]

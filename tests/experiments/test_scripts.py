@@ -1,0 +1,157 @@
+"""Experiment scripts whose logic goes past a smoke run: the GPU configs' matching, profile_step's op
+table on the tiny config, depth_residuals' sweep rows, qb_convergence's fixed point, k3_small_gpu's
+equal-token comparison and MFU."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from experiments import depth_residuals as dr
+from experiments import profile_step
+from experiments import qb_convergence as Q
+from experiments.configs import k3_tiny
+from k3jax.models.config import ModelConfig
+from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
+from k3jax.train.config import run_config_from_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_configs_are_matched():
+    from experiments.configs import k3_small_gpu, moe_balance_gpu, transformer_small_gpu
+    k3 = run_config_from_dict(k3_small_gpu.get_config())
+    base = run_config_from_dict(transformer_small_gpu.get_config())
+    run_config_from_dict(moe_balance_gpu.get_config())
+    assert k3.model.layer_mixers.count("K") == 3 * k3.model.layer_mixers.count("A")
+    assert (k3.model.ffn, k3.model.moe_balancing, k3.model.residual, k3.model.dtype) == (
+        "moe", "quantile", "block_attnres", "bfloat16")
+    assert base.model.layer_mixers == ("A",) * base.model.num_layers and base.model.ffn == "mlp"
+    for field in ("d_model", "num_layers", "num_heads", "head_dim", "dtype"):
+        assert getattr(k3.model, field) == getattr(base.model, field), field
+    assert k3.data == base.data and k3.train == base.train
+    n_k3 = matmul_params_per_token(k3.model)["total"]
+    n_base = matmul_params_per_token(base.model)["total"]
+    assert abs(n_k3 - n_base) / n_k3 < 0.005, (n_k3, n_base)
+    tokens = k3.data.batch_size * k3.data.seq_len
+    assert 64 * 1024 <= tokens <= 256 * 1024
+
+
+def test_tiny_config_profile_writes_table_json_and_md(tmp_path):
+    d = k3_tiny.get_config().to_dict()
+    d["model"].update(d_model=32, num_layers=2, mixer_pattern="KA", num_heads=2, head_dim=16, d_ff=64,
+                      moe_num_experts=4, moe_d_ff=32, residual_blocks=2)
+    d["data"].update(seq_len=64, batch_size=2)
+    cfg = run_config_from_dict(d)
+    result = profile_step.profile_run(cfg, warmup=0, timed=1, steps=2, trace_dir=str(tmp_path / "trace"),
+                                      hlo="recompile")
+    result["env"] = profile_step.environment(cfg)
+    p = result["profile"]
+    assert result["hlo_found"] and p["steps"] == 2
+    assert p["ops"] and all(r["ms_per_step"] > 0 and r["count_per_step"] > 0 for r in p["ops"])
+    names = " ".join(r["kernel"] for r in p["ops"])
+    assert "dot" in names or "fusion" in names, names
+    kinds = {r["kind"] for r in p["by_kind"]}
+    assert {"dot", "sort"} <= kinds, kinds  # the matmuls and QB's exact quantile
+    components = " ".join(r["component"] for r in p["by_component"])
+    for module in ("nn/kda.py", "nn/moe.py", "nn/attention.py"):
+        assert module in components, components
+    phases = {r["phase"] for r in p["by_phase"]}
+    assert {"forward", "backward", "optimizer"} <= phases, phases
+    assert 0 < p["device_busy_ms"] <= p["step_wall_ms"]
+    assert result["timing_median"]["step_s"] > 0 and result["compile"]["backend_compile_s"] > 0
+    out = str(tmp_path / "tiny")
+    profile_step.write(result, out)
+    with open(out + ".json") as f:
+        saved = json.load(f)
+    assert saved["profile"]["ops"][0]["kernel"] == p["ops"][0]["kernel"]
+    with open(out + ".md") as f:
+        md = f.read()
+    assert "## Top" in md and p["ops"][0]["kernel"] in md and "device busy" in md
+
+
+def test_tiny_sweep_writes_one_finite_row_per_variant(tmp_path):
+    settings = dr.Settings(d_model=16, num_heads=2, head_dim=8, d_ff=32, seq_len=16, batch_size=2, steps=2,
+                           warmup_steps=1, eval_every=1, eval_batches=1, residual_blocks=8)
+    groups = dr.run_sweep(settings, list(dr.VARIANTS), [1], [0], workdir=str(tmp_path / "runs"), isolate=False)
+    out = str(tmp_path / "results" / "depth_residuals")
+    doc = dr.write_outputs(groups, out)
+
+    rows = doc["rows"]
+    assert [r["variant"] for r in rows] == list(dr.VARIANTS)
+    for r in rows:
+        for key in ("val_loss", "val_bpb", "tokens_per_s", "peak_memory_mib"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["variant"], key, r[key])
+        # an untrained byte model is near log(vocab) nats; 2 steps cannot move it far
+        assert 3.0 < r["val_loss"] < 7.0, r
+    by_variant = {r["variant"]: r for r in rows}
+    assert by_variant["block_attnres"]["residual_blocks"] == 2  # 8 requested, capped at 1 layer x 2 sublayers
+    assert by_variant["article_block"]["residual_blocks"] == 1  # capped at 1 layer
+    assert by_variant["prenorm"]["delta_vs_prenorm"] == 0.0
+
+    for g in groups:
+        run = g["runs"][0]
+        assert [p["step"] for p in run["val_curve"]] == [1, 2]
+        assert len(run["diagnostics"]["hidden_rms"]) == 2 and len(run["diagnostics"]["cosine"]) == 1
+        if g["variant"] in ("block_attnres", "full_attnres"):
+            weights = run["diagnostics"]["depth_weights"]
+            assert len(weights) == 3  # 2 sublayers + the final mix
+            assert all(abs(sum(row) - 1.0) < 1e-4 for row in weights)
+        else:
+            assert "depth_weights" not in run["diagnostics"]
+
+    with open(out + ".json") as f:
+        saved = json.load(f)
+    assert saved["machine"]["cpu_count"] == os.cpu_count() and saved["machine"]["versions"]["jax"]
+    table = open(out + ".md").read()
+    assert sum(line.startswith(f"| {v} |") for v in dr.VARIANTS for line in table.splitlines()) == 4
+    for suffix in ("val_loss", "cosine", "hidden_rms", "depth_weights"):
+        assert os.path.getsize(f"{out}_{suffix}.png") > 0
+
+
+def test_qb_fixed_point_and_stationary_stream():
+    E, k, d, n = 32, 4, 64, 4096
+    key = jax.random.PRNGKey(0)
+    router = Q.Router(jax.random.fold_in(key, 0), d, E, scale=1.5, popularity=1.0)
+    fp = Q.fixed_point(router, jax.random.fold_in(key, 2), n, k, iters=8, resolution=False)
+    exact, hist = fp["exact/zero"], fp["histogram/zero"]
+    assert exact[0] > 3.0                      # the unbiased router is strongly imbalanced
+    assert 0.2 < exact[1] < 0.5 * exact[0]     # one step helps a lot but is not exact
+    assert exact[-1] < 0.1                     # the fixed-point iteration converges on the batch
+    assert min(hist[4:]) > 2.0 * exact[-1]     # the 1000-bin histogram stalls above the exact quantile
+    assert fp["per_expert_margins/zero"][-1] < exact[-1]  # per-expert cutoffs converge faster
+    lo, hi = fp["admitted_at_fixed_cutoffs_min_max"]
+    assert hi == fp["q"] and lo < fp["q"]      # tie group of (k+1)-th experts at r = b_j = 0 straddles q
+    floor = Q.binomial_floor(n, E, k, trials=2000)
+    st = Q.stream(router, jax.random.fold_in(key, 3), n, k, steps=24, warmup=8)
+    assert floor < st["next_batch_max_vio"] < 0.5
+    np.testing.assert_allclose(floor, 0.092, atol=0.01)
+
+
+def test_k3_small_gpu_script_smoke(tmp_path):
+    """The whole script at a tiny size (attention-only mixers: KDA compiles are slow on CPU and the KDA
+    path is tested elsewhere; what is tested is the script); K3 stops on its wall-clock budget after one step, and the
+    transformer then trains exactly as many steps (equal tokens), both evaluated at that step."""
+    cmd = [sys.executable, "-m", "experiments.k3_small_gpu", "--tiny", f"--out={tmp_path}/out",
+           f"--workdir_root={tmp_path}/runs", f"--compilation_cache_dir={tmp_path}/cache", "--steps=3",
+           "--matmul_size=64", "--matmul_reps=2", "--k3_time_budget_s=0.001", "--baseline_time_budget_s=0",
+           "--k3_config.model.num_layers=2", "--k3_config.model.mixer_pattern=A",
+           "--baseline_config.model.num_layers=2"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.load(open(tmp_path / "out" / "k3_small_h200.json"))
+    k3, base = res["models"]["k3_small"], res["models"]["transformer"]
+    assert k3["steps"] == 1 and base["steps"] == 1 and k3["stopped_early"] and base["stopped_early"]
+    assert set(k3["val"]) == set(base["val"]) == {"1"}
+    assert np.isfinite(k3["val"]["1"]["val_bpb"]) and np.isfinite(base["val"]["1"]["val_bpb"])
+    assert k3["tokens"] == base["tokens"] == 2 * 128
+    k3_model = ModelConfig(**{k: v for k, v in k3["config"].items() if k not in ("seq_len", "batch_size")})
+    assert k3["flops_per_token"] == model_flops_per_token(k3_model, 128)
+    assert k3["mfu"] == k3["flops_per_token"]["total"] * k3["tokens_per_s"] / res["matmul"]["flops_per_s"]
+    md = open(tmp_path / "out" / "k3_small_h200.md").read()
+    assert "At equal tokens (step 1" in md
+    assert os.path.getsize(tmp_path / "out" / "k3_small_h200_loss.png") > 0
