@@ -1,0 +1,67 @@
+"""Every experiment script end to end at a tiny size on CPU: it runs, exits 0 and writes its outputs.
+
+Scripts define absl flags at import, so each runs in its own subprocess. The logic beyond "it runs"
+(merges, tables, timing pattern, trace parsing) is tested in test_harness, test_results_merges and
+test_scripts; bench_grouped_gemm_ops needs the jla GPU wheel and is tested in its own file.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The tiny LM of every --config run (one place to edit when config fields move).
+TINY_LM = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.mixer_pattern=KA",
+           "--config.model.num_heads=2", "--config.model.head_dim=16", "--config.model.d_ff=64",
+           "--config.model.moe_num_experts=4", "--config.model.moe_d_ff=32", "--config.model.residual_blocks=2",
+           "--config.data.seq_len=64", "--config.data.batch_size=2"]
+
+# name -> (module, arguments with {out} for a tmp prefix, files under tmp that must exist afterwards)
+SCRIPTS = {
+    "bench_kda": ("bench_kda", ["--shapes=1x64x1x16", "--implementations=chunked", "--iters=1", "--warmup=0",
+                                "--check_max_t=32", "--out={out}/kda"], ["kda.json", "kda.md"]),
+    "bench_kda_profile": ("bench_kda", ["--profile", "--shapes=1x64x1x16", "--implementations=chunked",
+                                        "--modes=fwd", "--iters=1", "--warmup=0", "--out={out}/peers"],
+                          ["peers.json", "peers.md"]),
+    "kda_loss_scale": ("kda_loss_scale", ["--shape=1x64x1x16", "--implementations=chunked", "--gates=recipe",
+                                          "--scales=1", "--out={out}/ls"], ["ls.json", "ls.md"]),
+    "gate_stability": ("gate_stability", ["--seq_len=64", "--heads=1", "--head_dim=16", "--long_seq_len=256",
+                                          "--long_heads=1", "--chunk_sizes=16", "--out_dir={out}"],
+                       ["gate_stability.json", "gate_stability.md"]),
+    "qb_convergence": ("qb_convergence", ["--d=8", "--num_experts=4", "--top_k=2", "--tokens=64", "--steps=3",
+                                          "--warmup=1", "--docs=4", "--out={out}/qb"], ["qb.json", "qb.md"]),
+    "moe_ep": ("moe_ep", ["--tokens=64", "--batch=2", "--d_model=16", "--d_ff=8", "--experts=4", "--top_k=2",
+                          "--iters=1", "--out={out}/ep"], ["ep.json", "ep.md"]),
+    "bench_moe": ("bench_moe", ["--m=64", "--k=16", "--n=8", "--experts=4", "--impls=xla", "--torch=false",
+                                "--out_dtypes=bfloat16", "--iters=1", "--layer_tokens=32", "--layer_d_model=16",
+                                "--layer_d_ff=8", "--layer_experts=4", "--layer_top_k=2", "--layer_impls=xla",
+                                "--layer_iters=1", "--out={out}/moe"], ["moe.json", "moe.md"]),
+    "profile_step_layers": ("profile_step", ["--layers", *TINY_LM, "--timed=1", "--warmup=0", "--out={out}/layers"],
+                            ["layers.json", "layers.md"]),
+    "train": ("train", [*TINY_LM, "--config.train.steps=2", "--config.train.eval_every=2",
+                        "--config.train.eval_batches=1", "--config.train.checkpoint_every=2",
+                        "--config.train.warmup_steps=1", "--config.workdir={out}/run"], ["run/run_header.json"]),
+}
+
+
+def _run(module: str, args: list[str], out: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if module == "moe_ep":  # expert parallelism needs >= 2 devices: two fake CPU devices
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *(a.format(out=out) for a in args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_script_runs_at_a_tiny_size(name, tmp_path):
+    module, args, outputs = SCRIPTS[name]
+    proc = _run(module, args, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rel in outputs:
+        path = tmp_path / rel
+        assert path.exists() and path.stat().st_size > 0, (rel, sorted(p.name for p in tmp_path.rglob("*")))
+    if name == "train":  # the checkpoint it wrote samples
+        proc = _run("generate", ["--workdir={out}/run", "--max_tokens=4", "--prompt=a"], str(tmp_path))
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
