@@ -61,7 +61,8 @@ from experiments.harness import (environment, find_xplane, make_kda_inputs as ma
 from k3jax.ops.kda import kda
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("shapes", ["1x4096x4x128"], "BxTxHxK shapes (V = K)")
+flags.DEFINE_list("shapes", ["1x4096x4x128"], "BxTxHxK shapes (V = K) or names of harness.KDA_SHAPES "
+                  "(8x4096x16, 2x16384x16, 1x65536x16, 16x2048x32: K = 128; tiny)")
 flags.DEFINE_list("implementations", ["recurrent", "chunked"], "recurrent, chunked, pallas, jla (jla: on a GPU "
                   "with jax-linear-attention installed; one that cannot run here is skipped with a message)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, v, beta")
@@ -320,10 +321,10 @@ def check_flags():
     unknown = sorted(set(FLAGS.implementations) - set(KNOWN_IMPLEMENTATIONS))
     if unknown:
         raise ValueError(f"--implementations: unknown {unknown}; choose from {KNOWN_IMPLEMENTATIONS}")
-    for shape in FLAGS.shapes:
-        parts = shape.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"--shapes: each must be BxTxHxK with positive integers; got {shape!r}")
+    try:
+        FLAGS.shapes = ["x".join(map(str, parse_kda_shape(shape))) for shape in FLAGS.shapes]
+    except ValueError as e:
+        raise ValueError(f"--shapes: {e}") from None
 
 
 def time_all():

@@ -437,9 +437,6 @@ def main(argv):
     print(f"wrote {stem}.json/.md/.png")
 
 
-_write = write_results  # the name tests/test_experiments_gpu_scripts.py uses
-
-
 if __name__ == "__main__":
     _define_flags()
     app.run(main)

@@ -7,7 +7,7 @@ causal softmax attention with RoPE in every layer, a dense SwiGLU MLP, PreNorm r
 "Same size" = same ACTIVE matmul parameters per token (hence the same 6·N training FLOPs per token):
 K3-small has 59.4 M (6 KDA mixers x 2.76 M + 2 attention x 2.36 M + 8 MoE x (router + 2 experts) 4.73 M +
 head); the dense MLP width d_ff = 2176 gives 8 x (2.36 M + 5.01 M) + head = 59.2 M (within 0.5%,
-checked in tests/test_experiments_gpu_scripts.py). Total parameters differ (K3-small's 16 experts hold
+checked in tests/experiments/test_scripts.py). Total parameters differ (K3-small's 16 experts hold
 ~5x more), as they do for any MoE against a dense model of equal compute.
 """
 import ml_collections

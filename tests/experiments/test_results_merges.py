@@ -198,7 +198,7 @@ run = {"curve_steps": [10, 20], "max_vio_curve": [1.0, 0.1], "val_loss": 2.5, "m
 meta = {"date": "d", "device": "cpu", "num_experts": 4, "top_k": 2, "steps": 20, "seeds": ["0", "1"],
         "warmup_frac": 0.25, "skipped": [("b", 1)], "time_budget_s": 100.0}
 stem = sys.argv[1]
-moe_balance._write({"a": [run, dict(run, val_loss=2.7, compile={"backend_compile_s": 0.5})]}, meta, stem)
+moe_balance.write_results({"a": [run, dict(run, val_loss=2.7, compile={"backend_compile_s": 0.5})]}, meta, stem)
 md = open(stem + ".md").read()
 assert "| a | 2 | 2.6000 \u00b1 0.1000 | 0.100 \u00b1 0.000 |" in md and "12.5 / 0.5" in md, md
 assert "b seed 1" in md
