@@ -57,7 +57,7 @@ import jax.numpy as jnp
 
 from experiments.harness import (environment, find_xplane, make_kda_inputs as make_inputs, parse_kda_shape,
                                  parse_trace,  # noqa: F401
-                                 rms_ratio, time_call, STEP_NAME)
+                                 rms_ratio, time_call, write_results, STEP_NAME)
 from k3jax.ops.kda import kda
 
 FLAGS = flags.FLAGS
@@ -160,13 +160,16 @@ g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
 beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
 """
 
-FLA_SCRIPT = r"""
+# The torch subprocesses' imports and the versions their rows record (timing and --profile).
+FLA_PRELUDE = r"""
 import json, sys, torch
-from triton.testing import do_bench
 import fla
 from fla.ops.kda import chunk_kda
 versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
                 triton=__import__("triton").__version__)
+"""
+
+FLA_SCRIPT = FLA_PRELUDE + r"""from triton.testing import do_bench
 rows = []
 for shape in sys.argv[1].split(","):
     B, T, H, K = (int(x) for x in shape.lower().split("x"))
@@ -356,9 +359,7 @@ def time_all():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if FLAGS.out:  # keep partial results if the run is cut short
-                    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-                    with open(FLAGS.out + ".json", "w") as f:
-                        json.dump(dict(environment=env, rows=rows), f, indent=1)
+                    write_results(FLAGS.out, dict(environment=env, rows=rows))
     return env, rows
 
 
@@ -396,11 +397,7 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
     return lines
 
 
-FLA_PROFILE_SCRIPT = r"""
-import json, sys, torch
-from torch.profiler import profile, ProfilerActivity
-import fla
-from fla.ops.kda import chunk_kda
+FLA_PROFILE_SCRIPT = FLA_PRELUDE + r"""from torch.profiler import profile, ProfilerActivity
 B, T, H, K = (int(x) for x in sys.argv[1].lower().split("x"))
 iters, warmup, modes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
 """ + FLA_INPUTS + r"""do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
@@ -414,8 +411,6 @@ def fb():
         t.grad = None
     o, _ = chunk_kda(*leaves, **kw)
     o.backward(do)
-versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
-                triton=__import__("triton").__version__)
 for mode in modes:
     fn = fwd if mode == "fwd" else fb
     for _ in range(warmup):
@@ -501,9 +496,7 @@ def save_profile(rows: list[dict]) -> None:
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   iters=FLAGS.iters, environment={**environment(), **fla_versions},
                   rows=[{k: v for k, v in r.items() if k != "versions"} for r in rows])
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_results(FLAGS.out, result)
     write_profile_markdown(result, FLAGS.out + ".md")
 
 
@@ -604,11 +597,7 @@ def main(argv):
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".json", "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write(md)
+        write_results(FLAGS.out, dict(environment=env, rows=rows), md)
 
 
 if __name__ == "__main__":

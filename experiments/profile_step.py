@@ -204,11 +204,8 @@ def render(result: dict) -> str:
 
 
 def write(result: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(out + ".md", "w") as f:
-        f.write(render(result))
+    """<out>.json (everything) and <out>.md (`render`)."""
+    write_results(out, result, render(result))
 
 
 # ----------------------------------------------------------------------------------------------- --layers

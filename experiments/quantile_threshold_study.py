@@ -34,6 +34,7 @@ import numpy as np
 
 from k3jax.ops import balance_metrics as M
 from k3jax.ops import balancing as B
+from experiments.harness import environment
 from k3jax.ops import routing as R
 from k3jax.ops import threshold_routing as T
 
@@ -172,7 +173,7 @@ def main(argv):
         data.setdefault("train", {}).update(train_study(steps=int(os.environ.get("QT_STEPS", "200")), methods=methods))
     else:
         raise ValueError(f"mode must be synthetic or train; got {mode!r}")
-    data["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
+    data["meta"] = environment()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(data, f, indent=1)
