@@ -9,8 +9,9 @@ Steps, in one process (the three output files are rewritten after each):
  1. the device's dense bf16 matmul rate: median over `--matmul_reps` timed [n, n] x [n, n] GEMMs
     (n = `--matmul_size`, fp32 accumulation, bf16 output) after one warm-up, 2·n³ FLOPs each;
  2. K3-small (`--k3_config`, default configs/k3_small_gpu.py) for `--steps` steps, or until
-    `--k3_time_budget_s` seconds of wall clock from the start of its `train` call, compilation included
-    (the learning-rate schedule still spans `--steps`; the checkpoint at the stop is evaluated);
+    `--k3_time_budget_s` seconds of training wall clock after its first step (compilation excluded: the
+    budget of `k3jax.train.trainer.train`; the learning-rate schedule still spans `--steps`; the
+    checkpoint at the stop is evaluated);
  3. the transformer (`--baseline_config`) for exactly the steps K3-small reached (same tokens, same data
     order, same learning-rate schedule), with its own budget `--baseline_time_budget_s`;
  4. per model: tokens/s after compilation (the trainer times every step but the first), model FLOPs per
@@ -47,9 +48,10 @@ _K3 = config_flags.DEFINE_config_file("k3_config", "experiments/configs/k3_small
 _BASE = config_flags.DEFINE_config_file("baseline_config", "experiments/configs/transformer_small_gpu.py",
                                         "Transformer baseline run config.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps of both models (overrides train.steps).")
-_K3_BUDGET = flags.DEFINE_float("k3_time_budget_s", 220.0, "Wall-clock seconds K3-small may train (0 = none).")
+_K3_BUDGET = flags.DEFINE_float("k3_time_budget_s", 220.0, "Wall-clock seconds K3-small may train after its "
+                                "first (compiling) step (0 = none).")
 _BASE_BUDGET = flags.DEFINE_float("baseline_time_budget_s", 150.0, "Wall-clock seconds the baseline may train "
-                                  "(0 = none).")
+                                  "after its first step (0 = none).")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 8192, "n of the n x n x n bf16 GEMMs that measure the rate.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 10, "Timed GEMMs (median reported).")
 _TINY = flags.DEFINE_bool("tiny", False, "CPU smoke size: d_model 64, 4 layers, 4 experts, 2 x 128 tokens.")

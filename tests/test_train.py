@@ -163,6 +163,72 @@ def test_trainer_names_the_layer_when_it_stops_on_nonfinite_steps(tmp_path, monk
     assert "1 in a row" in lines[0] and "2 in a row" in lines[1]
 
 
+
+def _synchronous_metrics(cfg):
+    """The metrics.jsonl rows of `cfg` from a plain loop that reads every step's metrics at once."""
+    from k3jax.data.corpus import load_corpus
+    from k3jax.data.pipeline import eval_batches, make_train_loader
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
+    from k3jax.train.step import train_step
+    from k3jax.train.trainer import evaluate
+    corpus = load_corpus(cfg.data.source, "train", cache_dir=cfg.data.cache_dir)
+    model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    opt = nnx.Optimizer(model, make_optimizer(cfg.train), wrt=nnx.Param)
+    it = make_train_loader(corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.seed)
+    val = eval_batches(corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                       max_batches=cfg.train.eval_batches)  # the tiny corpus has no validation split
+    schedule, rows = learning_rate_schedule(cfg.train), []
+    for step in range(1, cfg.train.steps + 1):
+        m = jax.device_get(train_step(model, opt, {k: jnp.asarray(v) for k, v in next(it).items()}))
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            rows.append({"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
+                         "lr": float(schedule(step - 1)),
+                         "tokens": float(step * cfg.data.batch_size * cfg.data.seq_len)})
+        if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+            rows.append({"step": step, **evaluate(model, val)})
+    return rows
+
+
+def test_metrics_read_one_step_late_are_those_of_a_synchronous_loop(tmp_path):
+    """The trainer reads step N's metrics after dispatching step N + 1; metrics.jsonl (every value but
+    the measured tokens/s) equals a loop that waits for every step, log / eval boundaries included."""
+    cfg = _cfg(tmp_path / "run", tmp_path / "cache", steps=7, log_every=2, eval_every=3, checkpoint_every=5)
+    train(cfg, show_progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert all(r.pop("tokens_per_s") >= 0 for r in rows if "ce" in r)
+    expected = _synchronous_metrics(cfg)
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [2, 3, 4, 6, 6, 7, 7]
+    assert rows == expected
+
+
+def test_trainer_reads_metrics_after_the_next_dispatch_and_prefetches_batches(tmp_path, monkeypatch):
+    import k3jax.train.trainer as trainer_lib
+    real_step, real_host, events, ids = trainer_lib.train_step, trainer_lib._to_host, [], {}
+
+    def step_fn(model, optimizer, batch):
+        assert all(isinstance(v, jax.Array) for v in batch.values())  # already on the device
+        out = real_step(model, optimizer, batch)
+        ids[id(out)] = len(ids) + 1
+        events.append(("dispatch", ids[id(out)]))
+        return out
+
+    def to_host(metrics):
+        events.append(("read", ids[id(metrics)]))
+        return real_host(metrics)
+
+    monkeypatch.setattr(trainer_lib, "train_step", step_fn)
+    monkeypatch.setattr(trainer_lib, "_to_host", to_host)
+    cfg = _cfg(tmp_path / "run", tmp_path / "cache", steps=9, log_every=1, eval_every=4, checkpoint_every=6)
+    summary = train(cfg, show_progress=False)
+    assert [n for kind, n in events if kind == "read"] == list(range(1, 10))  # each once, in order
+    at_once = {1, 4, 6, 8, 9}  # the first step, eval (4, 8), checkpoint (6), last (9)
+    for n in range(1, 9):
+        read, next_dispatch = events.index(("read", n)), events.index(("dispatch", n + 1))
+        assert (read < next_dispatch) == (n in at_once), (n, events)
+    assert summary["step"] == 9 and summary["tokens_per_s"] > 0
+
+
 def test_checkpoint_round_trip(tmp_path):
     from k3jax.data.pipeline import make_train_loader
     from k3jax.models.config import ModelConfig

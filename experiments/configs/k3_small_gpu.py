@@ -1,7 +1,7 @@
 """K3-small on one GPU (issue 8): the K3 hybrid at a GPU size, for `experiments/k3_small_gpu.py`.
 
 8 layers, d_model 768, 6 heads of 128: mixers 3 KDA : 1 attention ("KKKA", bounded gate with lower bound
--5, XLA chunked KDA op; attention NoPE, as Kimi Linear / K3), MoE FFN (E = 16 routed SwiGLU experts of
+-5, the best KDA op for the call (kda_implementation=None: the Pallas kernels on GPU); attention NoPE, as Kimi Linear / K3), MoE FFN (E = 16 routed SwiGLU experts of
 width 1024, top-2, Quantile Balancing, exact quantile), Block AttnRes (4 blocks of 4 sublayers), bf16
 compute with fp32 params. 32 sequences x 2048 bytes = 65,536 tokens per step on the Python stdlib corpus.
 
@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     model = ModelConfig(
         d_model=768, num_layers=8, num_heads=6, head_dim=128, d_ff=2176,
         mixer_pattern="KKKA", attention_rope=False, kda_gate="bounded", kda_lower_bound=-5.0,
-        kda_chunk_size=64, kda_implementation="chunked",
+        kda_chunk_size=64, kda_implementation=None,
         ffn="moe", moe_num_experts=16, moe_top_k=2, moe_d_ff=1024, moe_balancing="quantile",
         moe_quantile_estimator="exact",
         residual="block_attnres", residual_blocks=4, dtype="bfloat16")

@@ -140,7 +140,7 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
                                                        layer_aux["next_state"], ffn.balancing_state.get_value()))
     finite_grads = jnp.stack([_all_finite(g) for g in _param_groups(nnx.to_pure_dict(grads)).values()])
     metrics = {"loss": loss, "ce": ce, "grad_norm": optax.global_norm(grads), "finite": finite,
-               "nonfinite_count": optimizer.opt_state.notfinite_count,
+               "nonfinite_count": optimizer.opt_state.notfinite_count.get_value(),
                "finite_activations": finite_activations, "finite_grads": finite_grads}
     for i, layer_aux in enumerate(aux["moe"]):
         for name, value in layer_aux.get("stats", {}).items():

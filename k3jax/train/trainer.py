@@ -62,6 +62,54 @@ class _Sigterm:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def _to_device(batch: dict) -> dict:
+    """Host batch -> device arrays (an async host-to-device copy; the loop calls it one step ahead)."""
+    return jax.device_put(batch)
+
+
+def _to_host(metrics: dict) -> dict:
+    """A step's metrics on the host (waits for that step to finish)."""
+    return jax.device_get(metrics)
+
+
+class _StepClock:
+    """Tokens/s of the steps a process ran, the first one (compilation) excluded.
+
+    A step's time runs from the later of its dispatch and the previous step's end (as the host saw it:
+    its metrics read) to its own end, so eval, checkpoints and host work between steps are not counted
+    while the host stays ahead of the device, and are counted when the host is what the device waits on.
+    """
+
+    def __init__(self, start_step: int, tokens_per_step: int):
+        self.start_step, self.tokens_per_step = start_step, tokens_per_step
+        self.tokens, self.seconds = 0, 0.0
+        self._since = None  # start of the step after the last one read
+        self.first_end: float | None = None  # when the host saw the process's first step end
+        self._dispatch_times: list[float] = []
+
+    def dispatched(self) -> None:
+        self._dispatch_times.append(time.perf_counter())
+
+    def paused(self) -> None:
+        """Host work between steps (eval, checkpoint) that must not count as step time."""
+        self._since = None
+
+    def done(self, step: int) -> float:
+        now = time.perf_counter()
+        dispatched = self._dispatch_times.pop(0)
+        since = dispatched if self._since is None else max(self._since, dispatched)
+        if self.first_end is None:
+            self.first_end = now
+        if step > self.start_step + 1:
+            self.tokens, self.seconds = self.tokens + self.tokens_per_step, self.seconds + now - since
+        self._since = now
+        return self.tokens_per_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
 def _versions() -> dict:
     import flax
     import grain
@@ -130,15 +178,22 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
 
     `stop_at_step` ends this process's part of the run early (checkpoint saved, as on SIGTERM) without
     changing the run itself (the schedule still spans `cfg.train.steps`); a later call resumes.
-    `time_budget_s` does the same once this call has run that many wall-clock seconds (checked after
-    each step; the summary's "step" says where it stopped).
+    `time_budget_s` does the same once this call has trained that many wall-clock seconds after its first
+    step ended (that step's compilation is not counted; checked after each step; the summary's "step" says
+    where it stopped).
+
+    The host does not wait for a step it has just dispatched: step N's metrics are read (and logged,
+    and checked for non-finite values) after step N + 1 is dispatched, and the batch of step N + 1 is
+    put on the device while step N runs. The process's first step, eval and checkpoint steps and the
+    last step are read at once (eval and checkpoints see the state after their step).
 
     A skipped (non-finite) update logs one warning line naming the first layer whose output was
     non-finite (or, for a finite forward, the deepest parameter group with non-finite gradients).
 
     Raises:
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
-        of the last good state is written first; the message names the layer as above).
+        of the last good state is written first, at the step the loop reached, which may be the one
+        after the message's step; the message names the layer as above).
       ValueError: the workdir holds checkpoints but none is readable, or they were written for another
         model/optimizer config (`Checkpointer.restore_latest`).
     """
@@ -177,57 +232,74 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     schedule = learning_rate_schedule(cfg.train)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     summary: dict = {"unigram_entropy_bits": entropy, "num_params": num_params, "start_step": start_step}
-    timed_tokens, timed_seconds = 0, 0.0
+    clock = _StepClock(start_step, tokens_per_step)
+    pending: list[tuple[int, dict]] = []  # dispatched steps whose metrics the host has not read yet
     step = start_step
     stopped_by_signal = False
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not show_progress, dynamic_ncols=True,
                file=sys.stdout, mininterval=1.0)
-    with _Sigterm() as sigterm:
-        while step < cfg.train.steps:
-            batch = {k: jnp.asarray(v) for k, v in next(data_iter).items()}
-            t0 = time.perf_counter()
-            metrics = train_step(model, optimizer, batch)
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
-            step += 1
-            if step > start_step + 1:  # first step of a process includes compilation
-                timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + dt
-            tok_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+
+    def flush(through: int) -> dict | None:
+        """Read the metrics of the pending steps <= `through` (in order), check them, log; return the last."""
+        metrics = None
+        while pending and pending[0][0] <= through:
+            done, device_metrics = pending.pop(0)
+            metrics = _to_host(device_metrics)
+            tok_s = clock.done(done)
             bar.update(1)
             bar.set_postfix(loss=f"{float(metrics['ce']):.3f}", tok_s=f"{tok_s:,.0f}")
             stop = int(metrics["nonfinite_count"]) >= cfg.train.max_nonfinite_steps
             if not bool(metrics["finite"]) or stop:
                 where = nonfinite_report(model, metrics)
                 log.warning("step %d: non-finite step, update skipped (loss %s, grad_norm %s; %d in a row): %s",
-                            step, float(metrics["loss"]), float(metrics["grad_norm"]),
+                            done, float(metrics["loss"]), float(metrics["grad_norm"]),
                             int(metrics["nonfinite_count"]), where)
-                if stop:
+                if stop:  # the state holds `step` updates (the one dispatched after `done` included)
                     ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
                     raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step "
-                                         f"{step}: {where}")
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                                         f"{done}: {where}")
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 scalars = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
-                scalars.update(lr=float(schedule(step - 1)), tokens_per_s=tok_s, tokens=step * tokens_per_step)
-                writer.write(step, scalars)
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                ev = evaluate(model, val_batches)
-                writer.write(step, ev)
-                bar.write(f"step {step}: train ce {float(metrics['ce']):.4f} | val loss {ev['val_loss']:.4f} nats"
-                          f" | val {ev['val_bpb']:.4f} bits/byte | {tok_s:,.0f} tok/s")
-                summary.update(ev)
+                scalars.update(lr=float(schedule(done - 1)), tokens_per_s=tok_s, tokens=done * tokens_per_step)
+                writer.write(done, scalars)
+        return metrics
+
+    with _Sigterm() as sigterm:
+        batch = _to_device(next(data_iter)) if step < cfg.train.steps else None
+        while step < cfg.train.steps:
+            clock.dispatched()
+            step += 1
+            pending.append((step, train_step(model, optimizer, batch)))  # async: no host sync on this step
+            # the previous step's metrics, read while this one runs; the process's first step (compilation)
+            # is read at once: it starts the time budget
+            flush(step if step == start_step + 1 else step - 1)
             if stop_at_step is not None and step >= stop_at_step:
                 sigterm.received = True
-            if time_budget_s is not None and time.time() - t_start >= time_budget_s:
+            if time_budget_s is not None and clock.first_end is not None \
+                    and time.perf_counter() - clock.first_end >= time_budget_s:
                 sigterm.received = True
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps or sigterm.received:
-                ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+            evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
+            save_now = step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps or sigterm.received
+            if evaluate_now or save_now:  # eval and checkpoints see the state after this step
+                metrics = flush(step)
+                if evaluate_now:
+                    ev = evaluate(model, val_batches)
+                    writer.write(step, ev)
+                    bar.write(f"step {step}: train ce {float(metrics['ce']):.4f} | val loss {ev['val_loss']:.4f} "
+                              f"nats | val {ev['val_bpb']:.4f} bits/byte | {clock.tokens_per_s:,.0f} tok/s")
+                    summary.update(ev)
+                if save_now:
+                    ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                clock.paused()
             if sigterm.received:
                 stopped_by_signal = True
                 bar.write(f"stopped early: checkpoint saved at step {step}; rerun to resume")
                 break
+            if step < cfg.train.steps:  # the next batch goes to the device while this step runs
+                batch = _to_device(next(data_iter))
+        flush(step)
     bar.close()
-    summary.update(step=step, tokens_per_s=timed_tokens / timed_seconds if timed_seconds else 0.0,
-                   stopped_by_signal=stopped_by_signal)
+    summary.update(step=step, tokens_per_s=clock.tokens_per_s, stopped_by_signal=stopped_by_signal)
     if not stopped_by_signal and cfg.train.sample_tokens:
         summary["sample"] = sample_text(model, cfg, seed=cfg.seed)
         print("\n--- sample (prompt + {} sampled bytes, temperature {}) ---\n{}\n---".format(
