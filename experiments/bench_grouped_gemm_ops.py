@@ -6,18 +6,15 @@
 For balanced (M/E rows per group) and skewed (Zipf(1.5) expert ids, ``np.bincount(rng.zipf(1.5, M) % E)``,
 seed 0: one group holds ~38% of the rows) group sizes, at M=32768, K=2048, N=1024, 64 groups, bf16:
 
-* ``fwd``   out [M, N] = ragged_dot(lhs [M, K], rhs [E, K, N]): jla 0.1.0's ``_ragged_dot_kernel`` for every
-  named ``TileConfig`` of jla that ``supports`` accepts for the call (then, last, the unnamed
-  ``EXTRA_CONFIGS``);
-* ``d_lhs`` [M, K] = ragged_dot(d_out [M, N], rhs^T): the same kernel with ``transpose_rhs=True``, every
-  config;
-* ``d_rhs`` [E, K, N] = lhs_g^T d_out_g per group: jla's ``transposed_ragged_dot`` (no config), and the
-  candidate fix of issue #5: groups cut into virtual groups of at most ``--split_rows`` rows
-  (:func:`k3jax.ops.dispatch.split_group_sizes`), partial products summed per group in fp32;
-* ``fwd+bwd`` through ``k3jax.ops.dispatch.grouped_matmul(implementation="jla")`` (bf16 output and
+* ``fwd``   out [M, N] = ragged_dot(lhs [M, K], rhs [E, K, N]): jla 0.1.0's public
+  ``ragged_dot(..., full_groups=True, config=)`` for every named ``TileConfig`` of jla that ``supports``
+  accepts for the call (then, last, the unnamed ``EXTRA_CONFIGS``);
+* ``d_lhs`` [M, K] = ragged_dot(d_out [M, N], rhs^T): the same call on a transposed copy of rhs made
+  outside the timed function, every config;
+* ``d_rhs`` [E, K, N] = lhs_g^T d_out_g per group: jla's ``transposed_ragged_dot`` (no config);
+* ``fwd+bwd`` through ``k3jax.ops.grouped_matmul.grouped_matmul(implementation="jla")`` (bf16 output and
   cotangent), the number issue #5 judges, without and with ``full_groups=True`` (every row is in a
-  group; skips the select that zeroes rows past the groups), and through the jla adapter with each candidate
-  ``JlaPlan`` of ``PLANS`` (static tilings / d_rhs split);
+  group; skips the select that zeroes rows past the groups);
 * torch._grouped_mm forward, d_lhs (``_grouped_mm(d_out, rhs^T, offs)``), d_rhs
   (``_grouped_mm(lhs^T, d_out, offs)``) and fwd+bwd (autograd) in a torch subprocess of the same call,
   same group sizes and dtypes; the direct d_lhs / d_rhs are checked against autograd's gradients.
@@ -57,12 +54,9 @@ def _define_flags():
     flags.DEFINE_integer("k", 2048, "Contraction size of the forward GEMM.")
     flags.DEFINE_integer("n", 1024, "Output columns of the forward GEMM.")
     flags.DEFINE_integer("experts", 64, "Experts (groups).")
-    flags.DEFINE_list("split_rows", ["4096", "2048"],
-                      "d_rhs candidate: most rows per virtual group (empty list = skip).")
     flags.DEFINE_bool("torch", True, "Time torch._grouped_mm in a subprocess (needs torch + CUDA).")
     flags.DEFINE_integer("torch_timeout_s", 60, "Wall-clock limit of the torch subprocess.")
     flags.DEFINE_bool("extra_configs", True, "Also time EXTRA_CONFIGS (unnamed jla tilings), last.")
-    flags.DEFINE_bool("plans", True, "Also time fwd+bwd through the jla adapter with each of PLANS.")
     flags.DEFINE_list("ops", ["fwd", "d_lhs", "d_rhs", "fwd+bwd"], "JAX ops to time (torch times all).")
     flags.DEFINE_float("budget_s", 100.0, "Skip further JAX measurements after this many seconds.")
 
@@ -70,15 +64,9 @@ def _define_flags():
 GROUPINGS = ("balanced", "skewed")
 VERSIONED = ("jax", "jaxlib", "jax-linear-attention", "torch", "triton")  # recorded with the results
 OPS = ("fwd", "d_lhs", "d_rhs", "fwd+bwd")
-# jla 0.1.0's named tilings, in the order they are timed (the default, PERSISTENT, first); the same tuple
-# as k3jax.ops.dispatch.JLA_TILE_CONFIGS (a test checks), spelt out so JAX is imported only after torch ran.
+# jla 0.1.0's named tilings (public attributes of jla.ops.mosaic_gpu.ragged_dot), in the order they are
+# timed (the default, PERSISTENT, first); spelt out so JAX is imported only after torch ran.
 JLA_CONFIG_NAMES = ("PERSISTENT", "PERSISTENT_WS", "ALIGNED", "WARP_SPECIALIZED", "BLOCK_ALIGNED")
-# Candidate static choices of the jla adapter (k3jax.ops.dispatch.JlaPlan fields), timed end to end.
-PLANS = {"d_rhs split 4096": dict(d_rhs_split_rows=4096),
-         "d_rhs split 2048": dict(d_rhs_split_rows=2048),
-         "PERSISTENT_WS fwd + d_lhs": dict(forward_config="PERSISTENT_WS", d_lhs_config="PERSISTENT_WS"),
-         "PERSISTENT_WS + split 4096": dict(forward_config="PERSISTENT_WS", d_lhs_config="PERSISTENT_WS",
-                                             d_rhs_split_rows=4096)}
 # Unnamed jla TileConfigs (not GPU-tested by jla; timed after everything else with --extra_configs):
 # half-height row tiles (less padding in the partial tiles of small groups), wider / deeper tiles.
 EXTRA_CONFIGS = (dict(schedule="persistent", block_m=64, block_n=128, steps=6),
@@ -287,7 +275,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     import jax.numpy as jnp
 
     from experiments.harness import median_ms
-    from k3jax.ops import dispatch
+    from k3jax.ops.grouped_matmul import grouped_matmul
     from jla.ops.mosaic_gpu import ragged_dot as jrd  # noqa: PLC0415 -- the GPU wheel, needed for every row
 
     m, k, n, e = FLAGS.m, FLAGS.k, FLAGS.n, FLAGS.experts
@@ -295,6 +283,10 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     lhs = jax.random.normal(kx, (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(kw, (e, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     dout = jax.random.normal(kd, (m, n), jnp.bfloat16)
+    # d_rhs [E, K, N] = lhs^T d_out per group: the ragged dimension M is contracted
+    RAGGED_CONTRACTING_DIMS = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    rhs_t = jnp.swapaxes(rhs, 1, 2)  # d_lhs's operand, transposed outside the timed calls
     f32 = jnp.float32
 
     def rel(x, ref):
@@ -311,39 +303,21 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
         if cfg is None or not jrd.supports(lhs, rhs, probe, cfg):
             why = "jla TileConfig refuses it" if cfg is None else f"jla supports() rejects it for K={k}, N={n}"
             return [("fwd", "jla", label, why, ()), ("d_lhs", "jla", label, why, ())]
-        return [("fwd", "jla", label, jax.jit(
-                    lambda a, b, gs: jrd._ragged_dot_kernel(a, b, gs, transpose_rhs=False, cfg=cfg)),  # noqa: SLF001
-                 (lhs, rhs)),
-                ("d_lhs", "jla", label, jax.jit(
-                    lambda d, b, gs: jrd._ragged_dot_kernel(d, b, gs, transpose_rhs=True, cfg=cfg)),  # noqa: SLF001
-                 (dout, rhs))]
+        gemm = jax.jit(lambda a, b, gs: jrd.ragged_dot(a, b, gs, full_groups=True, config=cfg))
+        return [("fwd", "jla", label, gemm, (lhs, rhs)), ("d_lhs", "jla", label, gemm, (dout, rhs_t))]
 
     for name in JLA_CONFIG_NAMES:
         cands += tile_rows(name, getattr(jrd, name))
     cands.append(("d_rhs", "jla", "transposed_ragged_dot", jax.jit(jrd.transposed_ragged_dot), (lhs, dout)))
-    for rows in (int(x) for x in FLAGS.split_rows):
-        def split_d_rhs(a, d, gs, rows=rows):
-            sizes, owner = dispatch.split_group_sizes(gs, rows, m)
-            part = jrd.transposed_ragged_dot(a, d, sizes)
-            return jax.ops.segment_sum(part.astype(f32), owner, e, indices_are_sorted=True).astype(rhs.dtype)
-        cands.append(("d_rhs", "jla split", f"max_rows={rows}", jax.jit(split_d_rhs), (lhs, dout)))
 
     def fwd_bwd(a, b, d, gs, full_groups=False):
-        out, vjp = jax.vjp(lambda a, b: dispatch.grouped_matmul(
-            a, b, gs, implementation="jla", preferred_element_type=jnp.bfloat16, full_groups=full_groups), a, b)
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(
+            a, b, gs, "jla", preferred_element_type=jnp.bfloat16, full_groups=full_groups), a, b)
         return out, vjp(d)
-    cands.append(("fwd+bwd", "k3jax dispatch jla", "default", jax.jit(fwd_bwd), (lhs, rhs, dout)))
-    # every row is in a group here (as after dispatch.permute): the promise torch._grouped_mm also relies on
-    cands.append(("fwd+bwd", "k3jax dispatch jla", "full_groups=True",
+    cands.append(("fwd+bwd", "k3jax grouped_matmul jla", "default", jax.jit(fwd_bwd), (lhs, rhs, dout)))
+    # every row is in a group here (as after token_dispatch.permute): the promise torch._grouped_mm relies on
+    cands.append(("fwd+bwd", "k3jax grouped_matmul jla", "full_groups=True",
                   jax.jit(functools.partial(fwd_bwd, full_groups=True)), (lhs, rhs, dout)))
-    if FLAGS.plans:
-        for label, fields in PLANS.items():
-            plan = dispatch.JlaPlan(**fields)
-
-            def plan_fwd_bwd(a, b, d, gs, plan=plan):
-                out, vjp = jax.vjp(lambda a, b: dispatch._jla_grouped_matmul(a, b, gs, jnp.bfloat16, plan), a, b)  # noqa: SLF001
-                return out, vjp(d)
-            cands.append(("fwd+bwd", "k3jax jla plan", label, jax.jit(plan_fwd_bwd), (lhs, rhs, dout)))
     if FLAGS.extra_configs:  # last: the time budget cuts these first
         for fields in EXTRA_CONFIGS:
             try:
@@ -355,7 +329,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
     ref_fwd = jax.jit(lambda a, b, gs: jax.lax.ragged_dot(a, b, gs, preferred_element_type=f32))
     ref_dlhs = jax.jit(lambda d, b, gs: jax.lax.ragged_dot(d, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=f32))
     ref_drhs = jax.jit(lambda a, d, gs: jax.lax.ragged_dot_general(
-        a, d, gs, dispatch._RAGGED_CONTRACTING_DIMS, preferred_element_type=f32))  # noqa: SLF001
+        a, d, gs, RAGGED_CONTRACTING_DIMS, preferred_element_type=f32))
     cands = [c for c in cands if c[0] in FLAGS.ops]
     refs = {}
     for gname, gs_np in groups.items():
@@ -380,8 +354,7 @@ def _jax_rows(results: dict, groups: dict, start: float) -> None:
                                    err_drhs=rel(d_rhs, ref["d_rhs"]))
                         row["err"] = max(row["err_out"], row["err_dlhs"], row["err_drhs"])
                     else:
-                        row["err"] = rel(dispatch._mask_tail_rows(out, gs) if op != "d_rhs" else out,  # noqa: SLF001
-                                         refs[gname][op])
+                        row["err"] = rel(out, refs[gname][op])  # every row is in a group: no tail
                     row["ms"] = _batched_ms(fn, *args, gs, iters=FLAGS.iters, inner=FLAGS.inner)
                     row["ms_blocking"] = median_ms(fn, *args, gs, iters=FLAGS.iters)
                     row["tflops"] = gemm_flops(op, m, k, n) / row["ms"] / 1e9
@@ -399,8 +372,6 @@ def main(argv):
     unknown = sorted(set(FLAGS.ops) - set(OPS))
     if unknown:  # a typo would silently drop an op from a GPU run
         raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
-    if not all(x.isdigit() and int(x) >= 1 for x in FLAGS.split_rows):
-        raise ValueError(f"--split_rows: need integers >= 1; got {FLAGS.split_rows}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     m, e = FLAGS.m, FLAGS.experts
     groups = {kind: group_sizes(m, e, kind) for kind in GROUPINGS}

@@ -1,4 +1,4 @@
-"""MoE benchmark on one GPU: the grouped GEMM through `k3jax.ops.dispatch.grouped_matmul` (every
+"""MoE benchmark on one GPU: the grouped GEMM through `k3jax.ops.grouped_matmul.grouped_matmul` (every
 implementation it has, side by side in one process), `torch._grouped_mm` in a torch subprocess of the
 same call, and the MoE LAYER forward+backward throughput.
 
@@ -120,7 +120,7 @@ def _write(results):
 def _gemm_rows(results, lhs, rhs, groups):
     import jax
     import jax.numpy as jnp
-    from k3jax.ops import dispatch
+    from k3jax.ops import grouped_matmul as gmm
     m, n = lhs.shape[0], rhs.shape[2]
     flops = 2 * m * lhs.shape[1] * n
     for gname, gs_np in groups.items():
@@ -132,12 +132,12 @@ def _gemm_rows(results, lhs, rhs, groups):
             for impl in _IMPLS.value:
                 row = dict(impl=f"k3jax {impl}", groups=gname, out_dtype=out_name)
                 try:
-                    ok, reason = dispatch.grouped_matmul_supported(impl, lhs, rhs, gs, out_dtype)
+                    ok, reason = gmm.supported(impl, lhs, rhs, gs, out_dtype)
                     if not ok:
                         raise ValueError(reason)
 
                     def fn(a, b, impl=impl, gs=gs, out_dtype=out_dtype):
-                        return dispatch.grouped_matmul(a, b, gs, implementation=impl, preferred_element_type=out_dtype)
+                        return gmm.grouped_matmul(a, b, gs, impl, preferred_element_type=out_dtype)
 
                     def fwd_bwd(a, b, fn=fn, dout=dout):
                         out, vjp = jax.vjp(fn, a, b)
@@ -181,7 +181,7 @@ def _layer_rows(results):
     import jax.numpy as jnp
     from flax import nnx
     from k3jax.nn.moe import MoEFeedForward
-    from k3jax.ops import dispatch
+    from k3jax.ops import grouped_matmul as gmm
     from k3jax.ops.balancing import QuantileBalancing
     tokens, d, f, e, k = (x.value for x in (_LAYER_TOKENS, _LAYER_D, _LAYER_F, _LAYER_E, _LAYER_K))
     results["layer_shape"] = dict(tokens=tokens, d_model=d, d_ff=f, experts=e, top_k=k)
@@ -193,7 +193,7 @@ def _layer_rows(results):
         name = None if impl == "default" else impl
         probe = (jax.ShapeDtypeStruct((rows_m, d), jnp.bfloat16), jax.ShapeDtypeStruct((e, d, f), jnp.bfloat16),
                  jax.ShapeDtypeStruct((e,), jnp.int32))
-        resolved = dispatch.default_grouped_matmul(*probe) if name is None else name
+        resolved = gmm.default_implementation(*probe) if name is None else name
         row = dict(impl=impl, resolved=resolved)
         try:
             layer = MoEFeedForward(d, f, e, k, balancing=QuantileBalancing(),

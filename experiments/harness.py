@@ -216,14 +216,14 @@ def measure_matmul_rate(n: int, reps: int, *, seed: int = 0) -> dict:
 
 
 def grouped_matmul_in_use() -> str:
-    """The MoE grouped-matmul implementation `k3jax.ops.dispatch` picks on this device for
-    `implementation=None` ("blocked" on CPU; on GPU "tokamax"/"jla" when installed and supported, else
+    """The MoE grouped-matmul backend `k3jax.ops.grouped_matmul` picks on this device for
+    `implementation=None` ("blocked" on CPU; on GPU "jla" when installed and supported, else
     "xla", which is ~60x slower than a library kernel on the H200 — worth knowing before reading a
     tokens/s number)."""
-    from k3jax.ops.dispatch import default_grouped_matmul  # noqa: PLC0415
-    name = default_grouped_matmul()
+    from k3jax.ops.grouped_matmul import default_implementation  # noqa: PLC0415
+    name = default_implementation()
     if name == "xla" and jax.default_backend() == "gpu":
-        print("WARNING: MoE grouped matmul falls back to XLA ragged_dot on this GPU (install tokamax or "
+        print("WARNING: MoE grouped matmul falls back to XLA ragged_dot on this GPU (install "
               "jax-linear-attention for the library kernel); MoE tokens/s will be far below the kernel's",
               flush=True)
     return name

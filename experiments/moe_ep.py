@@ -55,7 +55,7 @@ def main(argv):
 
     from k3jax import sharding as S
     from k3jax.nn.moe import MoEFeedForward
-    from k3jax.ops import dispatch
+    from k3jax.ops import grouped_matmul
     from k3jax.ops.balancing import balancing_config
 
     devices = jax.devices()
@@ -99,7 +99,7 @@ def main(argv):
     rows_m = batch * seq * k
     probe = (jax.ShapeDtypeStruct((rows_m, d), jnp.bfloat16), jax.ShapeDtypeStruct((e, d, f), jnp.bfloat16),
              jax.ShapeDtypeStruct((e,), jnp.int32))
-    resolved = _IMPL.value or dispatch.default_grouped_matmul(*probe)
+    resolved = _IMPL.value or grouped_matmul.default_implementation(*probe)
 
     t0 = time.perf_counter()
     (_, (y0, l0, b0)), (g0, gx0) = step_ref(params_ref, x)

@@ -9,7 +9,7 @@ Logical layout (GShard / DeepSeek-V3 style expert parallelism):
   everything else (router, attention, embeddings) is replicated; gradients are averaged by ``jax.jit``.
 - balancing statistics (loads, histograms, aux-loss terms) are ``psum``-ed over ``TOKEN_AXES``.
 
-The MoE layer runs under ``jax.shard_map`` (:func:`k3jax.ops.dispatch.expert_parallel_dropless_moe`:
+The MoE layer runs under ``jax.shard_map`` (:func:`k3jax.ops.token_dispatch.expert_parallel_dropless_moe`:
 two ``all_to_all`` over ``"expert"``); the rest is plain ``jax.jit`` with shardings.
 """
 

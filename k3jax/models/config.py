@@ -59,7 +59,7 @@ class ModelConfig:
         `k3jax.ops.balancing.QuantileBalancing.quantile_iterations`).
       moe_capacity_factor: None = dropless; a float = capacity dispatch with token dropping.
       moe_dispatch_implementation: grouped-matmul implementation of the dropless experts (None = the
-        best one tested for the call, see `k3jax.ops.dispatch.grouped_matmul`; checked by the layer).
+        best one tested for the call, see `k3jax.ops.grouped_matmul.grouped_matmul`; checked by the layer).
       tie_embeddings: share the embedding table with the LM head.
       init_std: std of the normal init of embeddings.
     """

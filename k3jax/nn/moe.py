@@ -1,8 +1,9 @@
 """Mixture-of-Experts SwiGLU feed-forward (flax NNX): router, balancing, dropless/capacity dispatch.
 
-The math lives in :mod:`k3jax.ops.routing`, :mod:`k3jax.ops.balancing` and :mod:`k3jax.ops.dispatch`; this module owns the
-parameters and wires them together. Sources: DeepSeekMoE / DeepSeek-V3 §2.1 (routed + shared
-experts, sigmoid router, selection bias), Kimi K3 §2.3.3 (Quantile Balancing), Switch (capacity).
+The math lives in :mod:`k3jax.ops.routing`, :mod:`k3jax.ops.balancing` and
+:mod:`k3jax.ops.token_dispatch`; this module owns the parameters and wires them together.
+Sources: DeepSeekMoE / DeepSeek-V3 §2.1 (routed + shared experts, sigmoid router, selection bias),
+Kimi K3 §2.3.3 (Quantile Balancing), Switch (capacity).
 
 Bias protocol: the router bias is a :class:`RouterBias` variable (fp32, NOT an ``nnx.Param``, so an
 ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches it). ``__call__`` never mutates it: it
@@ -23,7 +24,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding as sharding_lib
-from k3jax.ops import dispatch as dispatch_ops
+from k3jax.ops import grouped_matmul as gmm_ops
+from k3jax.ops import token_dispatch
 from k3jax.ops import balancing as balancing_ops
 from k3jax.ops import routing as routing_ops
 from k3jax.ops import threshold_routing
@@ -61,7 +63,7 @@ class MoEFeedForward(nnx.Module):
       balancing: a :mod:`k3jax.ops.balancing` method config.
       capacity_factor: None = dropless (grouped matmul); a float = capacity dispatch with dropping.
       dispatch_implementation: grouped-matmul implementation name (see
-        :func:`k3jax.ops.dispatch.grouped_matmul`), None = default.
+        :func:`k3jax.ops.grouped_matmul.grouped_matmul`), None = default.
       dtype: compute dtype of the expert matmuls (bf16; fp32 accumulation). The router runs in fp32.
       param_dtype: parameter dtype (fp32).
       mesh: None (single device / plain ``jax.jit``), or a ``(data, expert)`` mesh from
@@ -106,11 +108,11 @@ class MoEFeedForward(nnx.Module):
             raise ValueError(f"{balancing.method=} needs top_k < num_experts; got {top_k=}, {num_experts=}")
         if (
             dispatch_implementation is not None
-            and dispatch_implementation not in dispatch_ops.GROUPED_MATMUL_IMPLEMENTATIONS
+            and dispatch_implementation not in gmm_ops.BACKENDS
         ):
             raise ValueError(
                 f"dispatch_implementation must be None or one of "
-                f"{sorted(dispatch_ops.GROUPED_MATMUL_IMPLEMENTATIONS)}; got {dispatch_implementation=}"
+                f"{sorted(gmm_ops.BACKENDS)}; got {dispatch_implementation=}"
             )
         if mesh is not None:
             if capacity_factor is not None:
@@ -250,19 +252,19 @@ class MoEFeedForward(nnx.Module):
         xc = xf.astype(self.dtype)
         w_gate, w_up, w_down = (w.astype(self.dtype) for w in experts)
         if expert_axis is not None:
-            y = dispatch_ops.expert_parallel_dropless_moe(
+            y = token_dispatch.expert_parallel_dropless_moe(
                 xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
                 expert_axis=expert_axis, implementation=self.dispatch_implementation,
             )
             dropped = jnp.float32(0.0)
         elif self.capacity_factor is None:
-            y = dispatch_ops.dropless_moe(
+            y = token_dispatch.dropless_moe(
                 xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
                 implementation=self.dispatch_implementation,
             )
             dropped = jnp.float32(0.0)
         else:
-            y, dropped = dispatch_ops.capacity_moe(
+            y, dropped = token_dispatch.capacity_moe(
                 xc, routing.expert_ids, routing.weights, w_gate, w_up, w_down,
                 self.capacity_factor, token_mask=token_mask,
             )

@@ -1,0 +1,323 @@
+"""Token dispatch for MoE: permute / combine, dropless, capacity-factor and expert-parallel dispatch.
+
+Notation: N tokens, model width D, expert width F, E experts, top_k = k, capacity C. A routing is
+``expert_ids [N, k]`` int32 and ``weights [N, k]`` fp32 (:func:`k3jax.ops.routing.route`).
+
+Dropless (MegaBlocks, Gale et al. 2022; the ``ragged_dot`` formulation of MaxText / Marin): the N·k
+(token, slot) rows are stably sorted by expert (:func:`permute`), each expert's contiguous group is
+multiplied by its own weights in grouped matmuls (:func:`k3jax.ops.grouped_matmul.grouped_matmul`),
+and the rows are put back and summed with the gate weights (:func:`combine`). Nothing is dropped.
+
+Capacity dispatch (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021 §2.2): every expert has
+``C = ceil(capacity_factor · N · k / E)`` slots (N = token rows, static); (token, slot) rows claim
+them in token order (row-major over ``[N, k]``: token 0 slot 0, token 0 slot 1, ..., token 1 slot 0,
+...); rows past C are dropped and contribute ZERO, so the token passes through the residual
+connection unchanged by that expert. Padding tokens never take capacity.
+
+Expert parallelism (:func:`expert_parallel_dropless_moe`, inside ``jax.shard_map``): dropless, with
+the experts sharded over a mesh axis and the rows exchanged by ``all_to_all``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.grouped_matmul import grouped_matmul
+
+__all__ = [
+    "CapacityDispatch",
+    "Permutation",
+    "capacity_dispatch",
+    "capacity_moe",
+    "combine",
+    "dropless_moe",
+    "expert_parallel_dropless_moe",
+    "grouped_swiglu",
+    "permute",
+]
+
+
+class Permutation(NamedTuple):
+    """Sorted-by-expert layout of the N·k (token, slot) rows.
+
+    Attributes:
+      order: ``[N·k]`` int32, flat row index (``token·k + slot``) of each sorted row (stable sort).
+      group_sizes: ``[E]`` int32 rows per expert.
+    """
+
+    order: jax.Array
+    group_sizes: jax.Array
+
+
+def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
+    """Copy each token once per selected expert and sort the copies by expert (stable: token order
+    inside an expert).
+
+    Args:
+      x: ``[N, D]`` tokens. expert_ids: ``[N, k]`` int. num_experts: E.
+
+    Returns:
+      ``(x_sorted [N·k, D], Permutation)``.
+
+    Raises:
+      ValueError: shapes inconsistent.
+    """
+    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"need x [N, D] and expert_ids [N, k]; got {x.shape=}, {expert_ids.shape=}")
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    x_sorted = jnp.take(x, order // top_k, axis=0)
+    return x_sorted, Permutation(order=order, group_sizes=group_sizes)
+
+
+def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.Array:
+    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32).
+
+    Args:
+      y_sorted: ``[N·k, D]`` expert outputs in sorted order. perm: from :func:`permute`.
+      weights: ``[N, k]`` gate weights.
+
+    Returns:
+      ``[N, D]`` fp32, ``y_i = Σ_s w_is · y_sorted[row of (i, s)]``.
+    """
+    num_tokens, top_k = weights.shape
+    inverse = jnp.zeros_like(perm.order).at[perm.order].set(jnp.arange(perm.order.shape[0], dtype=jnp.int32))
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(num_tokens, top_k, -1).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+
+
+def grouped_swiglu(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    implementation: str | None = None,
+    full_groups: bool = False,
+) -> jax.Array:
+    """SwiGLU experts on expert-sorted rows: ``(silu(x W_g) ⊙ x W_u) W_d`` per group (Shazeer 2020).
+
+    Args:
+      x_sorted: ``[M, D]``; group_sizes ``[E]``; w_gate, w_up ``[E, D, F]``; w_down ``[E, F, D]``, all
+        in the compute dtype (bf16 in training). Matmuls accumulate in fp32; the hidden activation is
+        cast back to the compute dtype before the down projection.
+      implementation, full_groups: passed to :func:`grouped_matmul` (``full_groups``: the caller
+        promises ``sum(group_sizes) == M``).
+
+    Returns:
+      ``[M, D]`` fp32.
+
+    Raises:
+      ValueError: from :func:`grouped_matmul` (ranks/shapes that do not chain, non-integer
+        ``group_sizes``, an ``implementation`` unknown or not supporting the call).
+    """
+    gmm = functools.partial(grouped_matmul, implementation=implementation, full_groups=full_groups)
+    g = gmm(x_sorted, w_gate, group_sizes)
+    u = gmm(x_sorted, w_up, group_sizes)
+    h = (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+    return gmm(h, w_down, group_sizes)
+
+
+def dropless_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Dropless MoE SwiGLU: ``y_i = Σ_s w_is · FFN_{e_is}(x_i)`` via permute → grouped matmuls → combine.
+
+    Args:
+      x: ``[N, D]`` tokens (compute dtype). expert_ids: ``[N, k]`` int32 in ``[0, E)`` (every row then
+        lands in a group, so the grouped matmuls run with ``full_groups=True``; an id outside that range
+        gives its row an unspecified output with the "jla" kernels). weights: ``[N, k]`` fp32.
+      w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]`` (compute dtype).
+      implementation: grouped-matmul implementation (see :func:`grouped_matmul`).
+
+    Returns:
+      ``[N, D]`` fp32.
+
+    Raises:
+      ValueError: from :func:`permute` (``x`` not ``[N, D]`` or ``expert_ids`` not ``[N, k]``) and
+        :func:`grouped_matmul` (weights that do not chain, an ``implementation`` that cannot run).
+
+    Source: the dropless (no capacity, no token dropping) MoE of MegaBlocks (Gale et al. 2022,
+    arXiv 2211.15841) as a sort by expert + grouped GEMMs + weighted un-permute.
+    """
+    num_experts = w_gate.shape[0]
+    x_sorted, perm = permute(x, expert_ids, num_experts)
+    # permute's group sizes count every one of the N·k rows: the groups are full.
+    y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation,
+                              full_groups=True)
+    return combine(y_sorted, perm, weights)
+
+
+class CapacityDispatch(NamedTuple):
+    """Capacity assignment of the ``[N, k]`` (token, slot) rows.
+
+    Attributes:
+      position: ``[N, k]`` int32 rank of the row in its expert's queue (token order).
+      kept: ``[N, k]`` bool, row is valid and ``position < capacity``.
+      capacity: C (python int).
+      dropped_fraction: fp32 scalar, dropped valid rows / valid rows (N_valid · k).
+    """
+
+    position: jax.Array
+    kept: jax.Array
+    capacity: int
+    dropped_fraction: jax.Array
+
+
+def capacity_dispatch(
+    expert_ids: jax.Array,
+    num_experts: int,
+    capacity_factor: float,
+    *,
+    token_mask: jax.Array | None = None,
+) -> CapacityDispatch:
+    """Assign expert slots with a hard capacity; overflow rows are dropped in token order.
+
+    ``C = ceil(capacity_factor · N · k / E)`` with N the number of token rows (static, so padding
+    rows count in N but never take a slot). Drop order = row-major order of ``[N, k]`` (GShard/Switch
+    "first come first served" by token position; a token's slot 0 before its slot 1).
+
+    Args:
+      expert_ids: ``[N, k]`` int. num_experts: E. capacity_factor: > 0.
+      token_mask: ``[N]`` bool, False rows take no capacity and count as neither kept nor dropped.
+
+    Returns:
+      :class:`CapacityDispatch`.
+
+    Raises:
+      ValueError: ``capacity_factor <= 0`` or bad shapes.
+    """
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0; got {capacity_factor=}")
+    if expert_ids.ndim != 2:
+        raise ValueError(f"expert_ids must be [N, k]; got {expert_ids.shape=}")
+    num_tokens, top_k = expert_ids.shape
+    if token_mask is None:
+        token_mask = jnp.ones((num_tokens,), jnp.bool_)
+    if token_mask.shape != (num_tokens,):
+        raise ValueError(f"token_mask must be [N]; got {token_mask.shape=}")
+    capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    valid = jnp.broadcast_to(token_mask.astype(jnp.bool_)[:, None], expert_ids.shape)
+    one_hot = jax.nn.one_hot(expert_ids.reshape(-1), num_experts, dtype=jnp.int32)
+    one_hot = one_hot * valid.reshape(-1, 1)
+    position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1).reshape(num_tokens, top_k)
+    kept = valid & (position < capacity)
+    n_valid = jnp.sum(valid.astype(jnp.float32))
+    dropped = jnp.sum((valid & ~kept).astype(jnp.float32)) / jnp.maximum(n_valid, 1.0)
+    return CapacityDispatch(position=position.astype(jnp.int32), kept=kept, capacity=capacity, dropped_fraction=dropped)
+
+
+def capacity_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    capacity_factor: float,
+    *,
+    token_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """MoE SwiGLU with capacity-factor dispatch: dense ``[E, C, D]`` expert buffers, batched matmuls.
+
+    Kept rows are scattered into their expert's buffer, the experts run as one batched einsum
+    (fp32 accumulation), and outputs are gathered back and combined with the gate weights; dropped
+    rows contribute exactly zero (the token passes through the residual).
+
+    Args:
+      x: ``[N, D]``; expert_ids ``[N, k]``; weights ``[N, k]`` fp32; w_gate, w_up ``[E, D, F]``;
+        w_down ``[E, F, D]``; capacity_factor > 0; token_mask ``[N]`` bool or None.
+
+    Returns:
+      ``(y [N, D] fp32, dropped_fraction fp32 scalar)``.
+    """
+    num_tokens, d_model = x.shape
+    num_experts = w_gate.shape[0]
+    top_k = expert_ids.shape[1]
+    disp = capacity_dispatch(expert_ids, num_experts, capacity_factor, token_mask=token_mask)
+    cap = disp.capacity
+    trash = num_experts * cap
+    dest = jnp.where(disp.kept, expert_ids * cap + disp.position, trash).reshape(-1)  # [N·k]
+    rows = jnp.repeat(x, top_k, axis=0)  # [N·k, D], row = token·k + slot
+    buf = jnp.zeros((trash + 1, d_model), x.dtype).at[dest].set(rows)[:trash]
+    buf = buf.reshape(num_experts, cap, d_model)
+    g = jnp.einsum("ecd,edf->ecf", buf, w_gate, preferred_element_type=jnp.float32)
+    u = jnp.einsum("ecd,edf->ecf", buf, w_up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    out = jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=jnp.float32)
+    out = jnp.concatenate([out.reshape(trash, d_model), jnp.zeros((1, d_model), jnp.float32)], axis=0)
+    y = jnp.take(out, dest, axis=0).reshape(num_tokens, top_k, d_model)
+    w = weights.astype(jnp.float32) * disp.kept.astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, w), disp.dropped_fraction
+
+
+def expert_parallel_dropless_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    expert_axis: str,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Expert-parallel dropless MoE SwiGLU; call INSIDE ``jax.shard_map``.
+
+    Each of the P devices along ``expert_axis`` holds its own tokens and the ``E_l = E / P`` experts
+    ``[p·E_l, (p+1)·E_l)``. Rows go to the device owning their expert with one ``all_to_all``, run
+    through :func:`grouped_swiglu` there, come back with a second ``all_to_all`` and are combined
+    with the gate weights (GShard-style expert parallelism, Lepikhin et al. 2020). Send buffers are
+    padded to the worst case (all ``N_l·k`` local rows to one device), so nothing is ever dropped and
+    the result equals :func:`dropless_moe` on the gathered tokens; the padding costs ``P×`` buffer
+    memory and wire bytes (``jax.lax.ragged_all_to_all`` is the bandwidth-optimal replacement).
+
+    Args:
+      x: ``[N_l, D]`` local tokens. expert_ids: ``[N_l, k]`` int32 GLOBAL expert ids.
+      weights: ``[N_l, k]`` fp32. w_gate, w_up: ``[E_l, D, F]``; w_down: ``[E_l, F, D]`` (local).
+      expert_axis: mesh axis name the experts are sharded over.
+      implementation: grouped-matmul implementation (:func:`grouped_matmul`).
+
+    Returns:
+      ``[N_l, D]`` fp32.
+    """
+    num_local = w_gate.shape[0]
+    shards = jax.lax.axis_size(expert_axis)
+    num_tokens, top_k = expert_ids.shape
+    rows = num_tokens * top_k
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    dest = flat // num_local  # [rows] destination device along expert_axis
+    one_hot = jax.nn.one_hot(dest, shards, dtype=jnp.int32)
+    slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # position in dest buffer
+    send_index = dest * rows + slot  # unique per row
+    x_rows = jnp.repeat(x, top_k, axis=0)
+    send = jnp.zeros((shards * rows, x.shape[1]), x.dtype).at[send_index].set(x_rows)
+    send_ids = jnp.full((shards * rows,), num_local, jnp.int32).at[send_index].set(flat % num_local)
+    recv = jax.lax.all_to_all(send.reshape(shards, rows, -1), expert_axis, 0, 0, tiled=False)
+    recv_ids = jax.lax.all_to_all(send_ids.reshape(shards, rows), expert_axis, 0, 0, tiled=False)
+    recv = recv.reshape(shards * rows, -1)
+    recv_ids = recv_ids.reshape(-1)  # num_local = empty slot, sorted last
+    order = jnp.argsort(recv_ids, stable=True)
+    group_sizes = jnp.bincount(recv_ids, length=num_local).astype(jnp.int32)  # sentinel not counted
+    y_sorted = grouped_swiglu(
+        jnp.take(recv, order, axis=0), group_sizes, w_gate, w_up, w_down, implementation=implementation
+    )
+    y_recv = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    back = jax.lax.all_to_all(y_recv.reshape(shards, rows, -1), expert_axis, 0, 0, tiled=False)
+    y_rows = jnp.take(back.reshape(shards * rows, -1), send_index, axis=0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("nkd,nk->nd", y_rows, weights.astype(jnp.float32))
