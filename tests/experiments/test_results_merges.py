@@ -176,7 +176,7 @@ def test_experiment_modules_the_tests_import_coexist_in_one_process():
     """pytest-xdist puts any two test files in one worker: the experiment modules tests import in-process
     must not define clashing absl flags at import."""
     repo = REPO
-    mods = ("bench_grouped_gemm_ops", "depth_residuals", "moe_balance", "qb_convergence")
+    mods = ("bench_moe", "depth_residuals", "moe_balance", "qb_convergence")
     code = "import importlib\n" + "".join(f"importlib.import_module('experiments.{m}')\n" for m in mods)
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]

@@ -2,7 +2,7 @@
 
 Scripts define absl flags at import, so each runs in its own subprocess. The logic beyond "it runs"
 (merges, tables, timing pattern, trace parsing) is tested in test_harness, test_results_merges and
-test_scripts; bench_grouped_gemm_ops needs the jla GPU wheel and is tested in its own file.
+test_scripts; bench_moe's jla rows (stand-in kernels) in test_bench_moe.
 """
 import os
 import subprocess
@@ -34,10 +34,12 @@ SCRIPTS = {
                                           "--warmup=1", "--docs=4", "--out={out}/qb"], ["qb.json", "qb.md"]),
     "moe_ep": ("moe_ep", ["--tokens=64", "--batch=2", "--d_model=16", "--d_ff=8", "--experts=4", "--top_k=2",
                           "--iters=1", "--out={out}/ep"], ["ep.json", "ep.md"]),
-    "bench_moe": ("bench_moe", ["--m=64", "--k=16", "--n=8", "--experts=4", "--impls=xla", "--torch=false",
-                                "--out_dtypes=bfloat16", "--iters=1", "--layer_tokens=32", "--layer_d_model=16",
-                                "--layer_d_ff=8", "--layer_experts=4", "--layer_top_k=2", "--layer_impls=xla",
-                                "--layer_iters=1", "--out={out}/moe"], ["moe.json", "moe.md"]),
+    "bench_moe": ("bench_moe", ["--gemm_shape=tiny", "--impls=xla,blocked", "--torch=false", "--out_dtypes=bfloat16",
+                                "--iters=1", "--warmup=0", "--stream_calls=2", "--stream_reps=1", "--layer_shape=tiny",
+                                "--layer_impls=default", "--layer_iters=1", "--out={out}/moe"], ["moe.json", "moe.md"]),
+    "bench_moe_per_op": ("bench_moe", ["--study=per_op", "--gemm_shape=tiny", "--per_op_impl=xla", "--torch=false",
+                                       "--iters=1", "--warmup=0", "--stream_calls=2", "--stream_reps=1",
+                                       "--out={out}/ops"], ["ops.json", "ops.md"]),
     "profile_step_layers": ("profile_step", ["--layers", *TINY_LM, "--timed=1", "--warmup=0", "--out={out}/layers"],
                             ["layers.json", "layers.md"]),
     "quantile_threshold_study": ("quantile_threshold_study", ["synthetic"], []),  # prints its rows only
