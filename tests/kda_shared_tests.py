@@ -1,5 +1,5 @@
 """The comparisons every KDA implementation must pass (`KDAImplementationTests`), shared by the op
-tests (tests/test_kda_ops.py) and the kernel tests (tests/pallas_kernels/kda/test_api.py): forward and every
+tests (tests/k3jax/ops/test_kda_ops.py) and the kernel tests (tests/pallas_kernels/kda/test_api.py): forward and every
 gradient against the fp32 recurrence with fla's tolerances on fla's shapes, at loss scales
 2^-27 .. 2^20 with gates near / at the bound, packed documents against each document alone (an fp64
 loop), causality of the anchors, fp64 check_grads, odd sizes. Not collected itself (no test_ prefix).
