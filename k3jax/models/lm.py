@@ -11,6 +11,7 @@ from flax import nnx
 
 from k3jax.models.config import ModelConfig
 from k3jax.nn.attention import CausalSelfAttention
+from k3jax.nn.embedding import Embed
 from k3jax.nn.mlp import SwiGLU
 from k3jax.nn.residuals import BlockScale, DepthMix
 from k3jax.ops import residuals as residual_ops
@@ -69,7 +70,7 @@ class LanguageModel(nnx.Module):
         self.cfg = cfg
         self.mesh = mesh
         dtype = _dtype(cfg.dtype)
-        self.embed = nnx.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=dtype,
+        self.embed = Embed(cfg.padded_vocab_size, cfg.d_model, dtype=dtype,
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
         self.mixers = nnx.List([_make_mixer(cfg, c, rngs) for c in cfg.layer_mixers])
         self.ffns = nnx.List([_make_ffn(cfg, rngs, mesh) for _ in range(cfg.num_layers)])
