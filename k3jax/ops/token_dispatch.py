@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.ops.grouped_matmul import grouped_matmul
 
@@ -48,18 +49,45 @@ class Permutation(NamedTuple):
     Attributes:
       order: ``[N·k]`` int32, flat row index (``token·k + slot``) of each sorted row (stable sort).
       group_sizes: ``[E]`` int32 rows per expert.
+      inverse: ``[N·k]`` int32, the sorted position of each flat row (``order[inverse] = arange``).
     """
 
     order: jax.Array
     group_sizes: jax.Array
+    inverse: jax.Array
+
+
+@jax.custom_vjp
+def _permute_rows(x, index, inverse):
+    """``x[index]`` for a permutation ``index`` of the rows of ``x [M, D]`` (``inverse`` its inverse);
+    the gradient is the gather ``g[inverse]``, not a scatter-add."""
+    return jnp.take(x, index, axis=0)
+
+
+def _permute_rows_fwd(x, index, inverse):
+    return jnp.take(x, index, axis=0), (index, inverse)
+
+
+def _permute_rows_bwd(res, g):
+    index, inverse = res
+    int_zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return jnp.take(g, inverse, axis=0), int_zero(index), int_zero(inverse)
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
     """Copy each token once per selected expert and sort the copies by expert (stable: token order
     inside an expert).
 
+    Sorts and gathers only (no scatter in the forward or the backward): one stable sort of the ids gives
+    the order, a second sort its inverse, a binary search of the sorted ids the group sizes; the copies
+    are a broadcast (its gradient a sum over the k slots) and a permutation gather whose gradient is
+    the inverse gather.
+
     Args:
-      x: ``[N, D]`` tokens. expert_ids: ``[N, k]`` int. num_experts: E.
+      x: ``[N, D]`` tokens. expert_ids: ``[N, k]`` int in ``[0, E)``. num_experts: E.
 
     Returns:
       ``(x_sorted [N·k, D], Permutation)``.
@@ -69,16 +97,20 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.
     """
     if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"need x [N, D] and expert_ids [N, k]; got {x.shape=}, {expert_ids.shape=}")
-    top_k = expert_ids.shape[1]
+    num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    x_sorted = jnp.take(x, order // top_k, axis=0)
-    return x_sorted, Permutation(order=order, group_sizes=group_sizes)
+    rows = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    sorted_ids, order = jax.lax.sort((flat, rows), num_keys=1, is_stable=True)
+    _, inverse = jax.lax.sort((order, rows), num_keys=1)
+    bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+    group_sizes = jnp.diff(bounds).astype(jnp.int32)
+    copies = jnp.broadcast_to(x[:, None], (num_tokens, top_k, x.shape[1])).reshape(num_tokens * top_k, -1)
+    x_sorted = _permute_rows(copies, order, inverse)
+    return x_sorted, Permutation(order=order, group_sizes=group_sizes, inverse=inverse)
 
 
 def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.Array:
-    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32).
+    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32); gathers only.
 
     Args:
       y_sorted: ``[N·k, D]`` expert outputs in sorted order. perm: from :func:`permute`.
@@ -88,8 +120,8 @@ def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.A
       ``[N, D]`` fp32, ``y_i = Σ_s w_is · y_sorted[row of (i, s)]``.
     """
     num_tokens, top_k = weights.shape
-    inverse = jnp.zeros_like(perm.order).at[perm.order].set(jnp.arange(perm.order.shape[0], dtype=jnp.int32))
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(num_tokens, top_k, -1).astype(jnp.float32)
+    y = _permute_rows(y_sorted, perm.inverse, perm.order)
+    y = y.reshape(num_tokens, top_k, -1).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
 
 

@@ -57,6 +57,48 @@ def test_permute_sorts_by_expert_stably_and_combine_inverts():
     np.testing.assert_allclose(TD.combine(xs, perm, w), x, rtol=1e-6)  # identity experts
 
 
+
+def _scatter_permute_combine(x, ids, w, num_experts):
+    """The earlier permute / combine: jnp.take of x[order // k] (scatter-add gradient), bincount, the
+    inverse built by a scatter; the reference the sort + gather version must equal."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = jnp.take(x, order // ids.shape[1], axis=0)
+    ys = jnp.tanh(xs) * (1.0 + flat[order].astype(x.dtype)[:, None])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    y = jnp.take(ys, inverse, axis=0).reshape(*ids.shape, -1).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, w.astype(jnp.float32)), order, sizes
+
+
+def _sort_gather_permute_combine(x, ids, w, num_experts):
+    xs, perm = TD.permute(x, ids, num_experts)
+    experts = jnp.take(ids.reshape(-1), perm.order).astype(x.dtype)
+    ys = jnp.tanh(xs) * (1.0 + experts[:, None])  # an expert-dependent map of the sorted rows
+    return TD.combine(ys, perm, w), perm.order, perm.group_sizes
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(10, 4, 2), (257, 16, 2), (64, 8, 3), (33, 5, 1)])
+def test_sort_gather_permutation_equals_the_scatter_one_forward_and_gradients(num_tokens, num_experts, top_k):
+    kx, kl, kc = jax.random.split(jax.random.key(num_tokens), 3)
+    x = jax.random.normal(kx, (num_tokens, 24))
+    logits = jax.random.normal(kl, (num_tokens, num_experts)).at[:, 0].add(2.0)  # unequal groups
+    _, ids = jax.lax.top_k(logits, top_k)
+    ids = ids.astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(kc, (num_tokens, top_k)), -1)
+    cot = jax.random.normal(jax.random.key(7), (num_tokens, 24))
+    outs = {}
+    for name, fn in (("old", _scatter_permute_combine), ("new", _sort_gather_permute_combine)):
+        f = lambda x, w, fn=fn: jnp.sum(fn(x, ids, w, num_experts)[0] * cot)  # noqa: E731
+        y, order, sizes = fn(x, ids, w, num_experts)
+        outs[name] = (y, order, sizes, *jax.grad(f, argnums=(0, 1))(x, w))
+        if name == "new":
+            jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+            assert "scatter" not in jaxpr
+    for a, b in zip(outs["old"], outs["new"]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+
+
 def test_dropless_equals_dense_loop_forward_and_gradients():
     x, ids, w, wg, wu, wd = _params()
 
