@@ -12,6 +12,8 @@ MIXERS = {"A": "attention", "K": "kda"}
 FFNS = ("mlp", "moe")
 RESIDUALS = ("prenorm", "block_attnres", "full_attnres", "article_block")
 DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+SCAN_RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,14 @@ class ModelConfig:
         best one tested for the call, see `k3jax.ops.grouped_matmul.grouped_matmul`; checked by the layer).
       tie_embeddings: share the embedding table with the LM head.
       init_std: std of the normal init of embeddings.
+      scan_layers: run the layers as one `jax.lax.scan` over the repeats of `mixer_pattern` (one
+        period of len(mixer_pattern) layers traced and compiled once; the Block AttnRes sources are
+        carried as a `[N + 1, B, T, D]` buffer). Needs num_layers a multiple of len(mixer_pattern) and
+        residual in ("prenorm", "block_attnres", "full_attnres"). Parameters and checkpoints are the
+        same as unrolled.
+      remat: rematerialisation of each scanned period in the backward pass: "none", "full" (recompute
+        everything, save only the carry), or a `jax.checkpoint_policies` name ("dots_saveable",
+        "dots_with_no_batch_dims_saveable": keep matmul outputs). Needs scan_layers unless "none".
     """
 
     vocab_size: int = 259
@@ -100,6 +110,8 @@ class ModelConfig:
     moe_dispatch_implementation: str | None = None
     tie_embeddings: bool = False
     init_std: float = 0.02
+    scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "kda_chunk_size"):
@@ -141,6 +153,17 @@ class ModelConfig:
             raise ValueError(f"model.kda_lower_bound must be in [-5, 0), got {self.kda_lower_bound!r}")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"model.remat must be one of {REMAT}, got {self.remat!r}")
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(f"model.remat={self.remat!r} needs model.scan_layers=True (it applies to the scanned "
+                             "period)")
+        if self.scan_layers:
+            if self.num_layers % len(self.mixer_pattern):
+                raise ValueError(f"model.scan_layers needs model.num_layers={self.num_layers} to be a multiple of "
+                                 f"len(mixer_pattern)={len(self.mixer_pattern)}")
+            if self.residual not in SCAN_RESIDUALS:
+                raise ValueError(f"model.scan_layers supports residual in {SCAN_RESIDUALS}, got {self.residual!r}")
 
     def balancing_config(self):
         """The `k3jax.ops.balancing` method config of the MoE layers (the moe_* fields it uses)."""

@@ -132,6 +132,97 @@ class LanguageModel(nnx.Module):
         scales = jnp.stack([m.key_norm_scale[...] for m in self.depth_mixes])
         return residual_ops.attnres_forward(h, fns, self.layout, queries, scales, eps=self.cfg.norm_eps)
 
+    def _scan_stack(self, h, segment_ids, positions, train: bool):
+        """The stack as one `lax.scan` over the G = num_layers / P repeats of the P-layer mixer pattern.
+
+        Each period's modules are rebuilt inside the scan body from the layers' states stacked over G
+        (`nnx.split` / `nnx.merge`; parameters stay per layer). Block AttnRes keeps its sources in a
+        zero-initialised buffer `[N + 1, B, T, D]` carried through the scan: sublayer l adds its output
+        to slot `block_id[l]` (the running partial sum of its block, which becomes source b_n) and its
+        mix reads the first `num_sources[l]` slots (`BlockLayout.scan_inputs`). Returns what
+        `_run_stack` returns (depth weights padded to N + 1 sources are cut to each mix's count) and the
+        MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body.
+        """
+        cfg = self.cfg
+        period = len(cfg.mixer_pattern)
+        groups = cfg.num_layers // period
+
+        def stacked(modules):
+            defs, states = [], []
+            for j in range(period):
+                parts = [nnx.split(modules[g * period + j]) for g in range(groups)]
+                defs.append(parts[0][0])
+                states.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
+            return defs, states
+
+        mixer_defs, mixer_states = stacked(self.mixers)
+        ffn_defs, ffn_states = stacked(self.ffns)
+        mnorm_defs, mnorm_states = stacked(self.mixer_norms)
+        fnorm_defs, fnorm_states = stacked(self.ffn_norms)
+        xs = {"mixer": mixer_states, "ffn": ffn_states, "mnorm": mnorm_states, "fnorm": fnorm_states}
+        attnres = cfg.residual != "prenorm"
+        per_period = lambda a: a.reshape(groups, 2 * period, *a.shape[1:])  # noqa: E731
+        if attnres:
+            queries = jnp.stack([m.pseudo_query[...] for m in self.depth_mixes])
+            scales = jnp.stack([m.key_norm_scale[...] for m in self.depth_mixes])
+            scan_in = self.layout.scan_inputs()
+            xs.update(query=per_period(queries[:-1]), scale=per_period(scales[:-1]),
+                      slot=per_period(jnp.asarray(scan_in["slot"])), num_valid=per_period(jnp.asarray(scan_in["num_valid"])))
+            carry = jnp.zeros((self.layout.max_sources, *h.shape), h.dtype).at[0].set(h)
+        else:
+            carry = h
+
+        def sublayer(i, x, xs, aux):  # sublayer i of the period: layer j's mixer (even i) or FFN (odd i)
+            j = i // 2
+            if i % 2 == 0:
+                norm = nnx.merge(mnorm_defs[j], xs["mnorm"][j])
+                mixer = nnx.merge(mixer_defs[j], xs["mixer"][j])
+                return mixer(norm(x), segment_ids=segment_ids, positions=positions)
+            norm = nnx.merge(fnorm_defs[j], xs["fnorm"][j])
+            ffn = nnx.merge(ffn_defs[j], xs["ffn"][j])
+            if cfg.ffn == "moe":
+                y, aux[j] = ffn(norm(x), segment_ids=segment_ids, train=train)
+                return y
+            return ffn(norm(x))
+
+        def body(carry, xs):
+            inputs, weights, aux = [], [], [None] * period
+            for i in range(2 * period):
+                if attnres:
+                    x, w = residual_ops.depth_attention(carry, xs["query"][i], xs["scale"][i], eps=cfg.norm_eps,
+                                                        num_valid=xs["num_valid"][i], return_weights=True)
+                    weights.append(w)
+                else:
+                    x = carry
+                inputs.append(x)
+                out = sublayer(i, x, xs, aux)
+                if attnres:
+                    slot = xs["slot"][i]
+                    updated = jax.lax.dynamic_index_in_dim(carry, slot, 0, keepdims=False) + out.astype(carry.dtype)
+                    carry = jax.lax.dynamic_update_index_in_dim(carry, updated, slot, 0)
+                else:
+                    carry = carry + out
+            return carry, {"inputs": jnp.stack(inputs), "weights": jnp.stack(weights) if weights else None,
+                           "aux": aux if cfg.ffn == "moe" else None}
+
+        if cfg.remat != "none":
+            policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        carry, ys = jax.lax.scan(body, carry, xs)
+        num_sublayers = cfg.num_sublayers
+        unstack = lambda a: [a[l // (2 * period), l % (2 * period)] for l in range(num_sublayers)]  # noqa: E731
+        inputs = tuple(unstack(ys["inputs"]))
+        moe_aux = []
+        if cfg.ffn == "moe":
+            moe_aux = [jax.tree.map(lambda a, g=l // period: a[g], ys["aux"][l % period])
+                       for l in range(cfg.num_layers)]
+        if not attnres:
+            return residual_ops.DepthForward(hidden=carry, sublayer_inputs=inputs, depth_weights=()), moe_aux
+        hidden, final_w = residual_ops.depth_attention(carry, queries[-1], scales[-1], eps=cfg.norm_eps,
+                                                       return_weights=True)
+        weights = tuple(w[:n] for w, n in zip(unstack(ys["weights"]), self.layout.num_sources)) + (final_w,)
+        return residual_ops.DepthForward(hidden=hidden, sublayer_inputs=inputs, depth_weights=weights), moe_aux
+
     def _ffn_call(self, segment_ids, train, moe_aux):
         def call(layer, x):
             if self.cfg.ffn == "moe":
@@ -156,6 +247,9 @@ class LanguageModel(nnx.Module):
             segment_ids = jnp.ones(inputs.shape, jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        if self.cfg.scan_layers:
+            depth, moe_aux = self._scan_stack(self.embed(inputs), segment_ids, positions, train)
+            return self._logits(depth.hidden), {"moe": moe_aux}, depth
         moe_aux = []
         mixer_call = lambda layer, x: self.mixers[layer](x, segment_ids=segment_ids, positions=positions)  # noqa: E731
         depth = self._run_stack(self.embed(inputs), mixer_call, self._ffn_call(segment_ids, train, moe_aux))
