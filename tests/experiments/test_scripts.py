@@ -155,3 +155,26 @@ def test_k3_small_gpu_script_smoke(tmp_path):
     md = open(tmp_path / "out" / "k3_small_h200.md").read()
     assert "At equal tokens (step 1" in md
     assert os.path.getsize(tmp_path / "out" / "k3_small_h200_loss.png") > 0
+
+
+def test_bench_train_parses_jla_log_lines_and_builds_like_for_like_rows():
+    from experiments import bench_train
+    log = "\n".join(
+        ["2026 INFO jla.training.trainer: compiled train step in 107.2s (device memory 17.70 GiB)"] +
+        [f"2026 INFO jla.training.trainer: step {s}/40 | loss {6 - s / 10:.4f} | lr 1.000e-03 | grad 0.500 | "
+         f"{tok:,} tok/s | MFU 30.0% HFU 40.0% MBU 5.0% | {ms} ms/step | skipped 0"
+         for s, tok, ms in ((5, 100_000, 655), (10, 490_000, 134), (15, 480_000, 136), (20, 500_000, 131))])
+    parsed = bench_train.parse_jla_log(log, warmup=5)
+    assert parsed["logged_steps"] == [5, 10, 15, 20]
+    assert parsed["step_ms_median"] == 134.0 and parsed["tokens_per_s"] == 490_000.0  # the window at step 5 left out
+    assert parsed["compile_s"] == 107.2 and parsed["compiled_memory_gib"] == 17.7 and parsed["final_loss"] == 4.0
+    lfl = bench_train.model_config("k3_small", "like_for_like", scan_layers=True, remat="full")
+    k3 = bench_train.model_config("k3_small", "k3_default", scan_layers=False, remat="full")
+    assert (lfl.residual, lfl.moe_balancing, lfl.moe_aux_loss_alpha, lfl.remat) == ("prenorm", "aux_loss", 0.01, "full")
+    assert (k3.residual, k3.moe_balancing, k3.remat, k3.kda_implementation) == ("block_attnres", "quantile", "none", None)
+    assert (lfl.d_model, lfl.num_layers, lfl.mixer_pattern, lfl.moe_num_experts, lfl.moe_d_ff) == (768, 8, "KKKA", 16, 1024)
+    batch = bench_train.markov_batches(1, 2, 2048, 1000, 259)[0]
+    np.testing.assert_array_equal(batch["segment_ids"][0, [0, 999, 1000, 2047]], [1, 1, 2, 3])
+    np.testing.assert_array_equal(batch["positions"][0, [999, 1000]], [999, 0])
+    assert not batch["loss_mask"][0, 999] and batch["loss_mask"][0, 1000]
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])

@@ -34,6 +34,8 @@ SCRIPTS = {
                                           "--warmup=1", "--docs=4", "--out={out}/qb"], ["qb.json", "qb.md"]),
     "moe_ep": ("moe_ep", ["--tokens=64", "--batch=2", "--d_model=16", "--d_ff=8", "--experts=4", "--top_k=2",
                           "--iters=1", "--out={out}/ep"], ["ep.json", "ep.md"]),
+    "bench_train": ("bench_train", ["--shape=tiny", "--rows=like_for_like,k3_default,jla", "--steps=2", "--warmup=1",
+                                    "--out={out}/train"], ["train.json", "train.md"]),
     "bench_moe": ("bench_moe", ["--gemm_shape=tiny", "--impls=xla,blocked", "--torch=false", "--out_dtypes=bfloat16",
                                 "--iters=1", "--warmup=0", "--stream_calls=2", "--stream_reps=1", "--layer_shape=tiny",
                                 "--layer_impls=default", "--layer_iters=1", "--out={out}/moe"], ["moe.json", "moe.md"]),
