@@ -218,7 +218,7 @@ def _define_flags():
     _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                                "k3jax rows: model.remat (with --scan_layers).")
     _OUT = flags.DEFINE_string("out", "experiments/results/train_step_h200", "Output prefix (<out>.json, .md).")
-    _JLA_CONFIG = flags.DEFINE_string("jla_config", "../shared/bench/jla_k3_small_shape.toml",
+    _JLA_CONFIG = flags.DEFINE_string("jla_config", "experiments/configs/jla_k3_small_shape.toml",
                                       "jla TOML at the shape (only k3_small has one).")
     _ONE_ROW = flags.DEFINE_string("one_row", "", "Internal: run this k3jax row here and print its JSON.")
     _TIMEOUT = flags.DEFINE_float("row_timeout_s", 560.0, "Seconds a row's subprocess may take.")
