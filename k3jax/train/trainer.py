@@ -239,9 +239,10 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not show_progress, dynamic_ncols=True,
                file=sys.stdout, mininterval=1.0)
 
-    def flush(through: int) -> dict | None:
-        """Read the metrics of the pending steps <= `through` (in order), check them, log; return the last."""
-        metrics = None
+    last_read: dict = {}  # the metrics of the newest step read so far
+
+    def flush(through: int) -> dict:
+        """Read the metrics of the pending steps <= `through` (in order), check them, log; return the newest read."""
         while pending and pending[0][0] <= through:
             done, device_metrics = pending.pop(0)
             metrics = _to_host(device_metrics)
@@ -262,7 +263,9 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
                 scalars = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
                 scalars.update(lr=float(schedule(done - 1)), tokens_per_s=tok_s, tokens=done * tokens_per_step)
                 writer.write(done, scalars)
-        return metrics
+            last_read.clear()
+            last_read.update(metrics)
+        return last_read
 
     with _Sigterm() as sigterm:
         batch = _to_device(next(data_iter)) if step < cfg.train.steps else None
