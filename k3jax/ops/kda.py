@@ -158,7 +158,7 @@ def kda(
         single bf16 GEMM per 16-token diagonal tile. None = exact path for any finite g <= 0 (the
         chunk forms take differences of within-chunk cumsums: with one gate near -1e4 among mild
         ones the fp32 error of the mild tokens' decay reaches ~1e-3 relative, in "chunked" and
-        "pallas" alike; tests/test_kda_pallas_edges.py).
+        "pallas" alike; tests/pallas_kernels/kda/test_edges.py).
       chunk_size: chunk length for "chunked" (power of two >= 16).
       implementation: None = "pallas" where its GPU tests cover the call (compiled, i.e.
         interpret=False, on a CUDA device of compute capability 9.0 — the tests ran on an H200 —

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import bench_moe as B
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 
 
 def test_group_sizes_balanced_and_the_anchor_skew():

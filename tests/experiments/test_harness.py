@@ -13,7 +13,7 @@ import pytest
 
 from experiments import harness
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 
 
 def test_time_call_back_to_back_groups_reuse_one_input_set_each():

@@ -11,7 +11,7 @@ import pytest
 
 from experiments import moe_balance
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 
 
 def _row(seed: int, val_loss: float) -> dict:

@@ -18,7 +18,7 @@ from k3jax.models.config import ModelConfig
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
 from k3jax.train.config import run_config_from_dict
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 
 
 def test_gpu_configs_are_matched():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 
 # The tiny LM of every --config run (one place to edit when config fields move).
 TINY_LM = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.mixer_pattern=KA",

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.repo import REPO
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.py")))
 IDS = [os.path.basename(p) for p in NOTEBOOKS]
 

@@ -1,5 +1,5 @@
 """k3jax.ops.token_dispatch: permute / combine, dropless and capacity dispatch against dense references
-(the expert-parallel path: tests/test_moe.py and tests/k3jax/ops/test_grouped_matmul.py)."""
+(the expert-parallel path: tests/k3jax/nn/test_moe.py and tests/k3jax/ops/test_grouped_matmul.py)."""
 
 import math
 

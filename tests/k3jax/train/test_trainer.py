@@ -18,7 +18,7 @@ from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo import REPO
 SMALL_CORPUS = "text:" + os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 

@@ -10,6 +10,7 @@ from flax import nnx
 from k3jax.nn.moe import BalancingState, MoEFeedForward, RouterBias
 from k3jax.ops import balance_metrics, balancing
 from k3jax.ops import routing as R
+from tests.repo import REPO
 
 B, T, D, F, E, K = 2, 8, 16, 24, 8, 2
 
@@ -240,7 +241,7 @@ def test_two_processes_match_one_process():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [
         subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(i), _TRAIN_SRC], cwd=root, env=env,

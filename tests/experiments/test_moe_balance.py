@@ -12,6 +12,7 @@ from k3jax.models.config import ModelConfig
 from k3jax.train import trainer as trainer_lib
 from k3jax.train.config import DataConfig, TrainConfig
 from k3jax.train.optimizer import make_optimizer
+from tests.repo import REPO
 
 _BACKEND_COMPILES = []
 
@@ -156,7 +157,7 @@ def test_import_defines_no_flags_and_budget_estimate_drops_compile_time():
     # in a fresh interpreter: under xdist another test module may define same-named flags in this one
     code = ("from absl import flags\nimport experiments.moe_balance\n"
             "assert not {'merge', 'compilation_cache_dir', 'time_budget_s'} & set(flags.FLAGS), 'flags at import'")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]
     walls = {"a": [52.0], "b": [60.0]}
