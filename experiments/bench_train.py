@@ -11,8 +11,8 @@ Rows (each in its own subprocess, so that compile time and the device's peak mem
   jla: `python -m jla.cli train --config <--jla_config> --set ...` (jla-0.1.0: synthetic Markov tokens,
     documents of 1000 tokens, remat full, scanned layers), its log lines parsed; skipped with a message
     when `jla` is not importable.
-Both k3jax rows use `--scan_layers` / `--remat` (default: scanned, remat "full", jla's defaults; pass
-`--scan_layers=false --remat=none` for the unrolled model), kda_implementation=None, bf16 compute.
+Both k3jax rows use `--scan_layers` / `--remat` (default: unrolled, no remat, k3jax's defaults and the
+fastest on the H200 at K3-small; `--scan_layers --remat=full` is jla's choice), kda_implementation=None, bf16 compute.
 
 A k3jax row builds the model and optimizer as `k3jax.train.trainer.train` does and runs the trainer's
 step loop on synthetic data of the shape (Markov tokens over the vocabulary, documents of `doc_len`
@@ -214,8 +214,8 @@ def _define_flags():
     _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {ROWS}.")
     _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per row (after --warmup).")
     _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling first step.")
-    _SCAN = flags.DEFINE_bool("scan_layers", True, "k3jax rows: model.scan_layers.")
-    _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+    _SCAN = flags.DEFINE_bool("scan_layers", False, "k3jax rows: model.scan_layers.")
+    _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                                "k3jax rows: model.remat (with --scan_layers).")
     _OUT = flags.DEFINE_string("out", "experiments/results/train_step_h200", "Output prefix (<out>.json, .md).")
     _JLA_CONFIG = flags.DEFINE_string("jla_config", "experiments/configs/jla_k3_small_shape.toml",
