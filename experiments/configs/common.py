@@ -5,18 +5,53 @@ import typing
 import ml_collections
 from ml_collections import config_dict
 
+from k3jax.ops.balancing import METHODS
+
 
 def _optional_type(cls, name):
     hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, type):
+        return hint
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else str
 
 
+def _balancing_options() -> dict[str, type]:
+    """Every option of every `k3jax.ops.balancing` method with its type (one name, one type)."""
+    options = {}
+    for row in METHODS.values():
+        for f in dataclasses.fields(row.config):
+            if f.init:
+                options.setdefault(f.name, _optional_type(row.config, f.name))
+    return options
+
+
+def balancing_section(config) -> ml_collections.ConfigDict:
+    """``model.moe.balancing`` of a config file: ``method`` plus every option of every method, set where
+    `config` differs from its method's default and a typed None placeholder elsewhere (None = the
+    method's default, `k3jax.models.config.balancing_from_dict`). So both
+    `--config.model.moe.balancing.method=aux_loss` and `--config.model.moe.balancing.alpha=0.05` work;
+    an option the chosen method lacks raises when the run config is built."""
+    default = type(config)()
+    values = {"method": config.method}
+    for name, kind in _balancing_options().items():
+        value = getattr(config, name, None)
+        set_here = hasattr(config, name) and value != getattr(default, name) and value is not None
+        values[name] = value if set_here else config_dict.placeholder(kind)
+    return ml_collections.ConfigDict(values)
+
+
 def section(obj) -> ml_collections.ConfigDict:
-    """A ConfigDict of a frozen config dataclass; None fields become typed placeholders so that
-    `--config.model.moe_capacity_factor=1.25` works from the command line."""
+    """A ConfigDict of a frozen config dataclass, nested like it (model.kda, model.moe.balancing, ...);
+    None fields become typed placeholders so that `--config.model.moe.capacity_factor=1.25` works from
+    the command line."""
     values = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        values[f.name] = config_dict.placeholder(_optional_type(type(obj), f.name)) if value is None else value
+        if f.name == "balancing" and type(value).__name__ in {m.config.__name__ for m in METHODS.values()}:
+            values[f.name] = balancing_section(value)
+        elif dataclasses.is_dataclass(value):
+            values[f.name] = section(value)
+        else:
+            values[f.name] = config_dict.placeholder(_optional_type(type(obj), f.name)) if value is None else value
     return ml_collections.ConfigDict(values)

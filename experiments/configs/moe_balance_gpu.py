@@ -11,7 +11,7 @@ d_model 256, 4 layers, E = 32, a KKKA run spends ~25 s in backend compilation ag
 attention-only, and layers are unrolled, so compile grows with depth (hence 2 layers). The table is
 about the router (loads, MaxVio, loss at equal data), which the mixer feeds but does not change; the
 hybrid is three flags away (--config.model.mixer_pattern=KKKA --config.model.num_layers=4
---config.model.attention_rope=False).
+--config.model.attention.rope=False).
 
   python -m experiments.moe_balance --config=experiments/configs/moe_balance_gpu.py --num_experts=32 \
       --top_k=4 --steps=300 --time_budget_s=380 --out=$OUT/results --workdir_root=/tmp/moe_balance_runs
@@ -19,16 +19,17 @@ hybrid is three flags away (--config.model.mixer_pattern=KKKA --config.model.num
 import ml_collections
 
 from experiments.configs.common import section
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import AttentionConfig, KDAConfig, ModelConfig, MoEConfig, ResidualConfig
+from k3jax.ops.balancing import QuantileBalancing
 from k3jax.train.config import DataConfig, TrainConfig
 
 
 def get_config() -> ml_collections.ConfigDict:
     model = ModelConfig(
         d_model=384, num_layers=2, num_heads=6, head_dim=64, d_ff=1152,
-        mixer_pattern="A", attention_rope=True,
-        ffn="moe", moe_num_experts=32, moe_top_k=4, moe_d_ff=384, moe_balancing="quantile",
-        residual="block_attnres", residual_blocks=2, dtype="bfloat16")
+        mixer_pattern="A", attention=AttentionConfig(rope=True),
+        ffn="moe", moe=MoEConfig(num_experts=32, top_k=4, d_ff=384, balancing=QuantileBalancing()),
+        residual=ResidualConfig(kind="block_attnres", blocks=2), dtype="bfloat16")
     data = DataConfig(source="python-stdlib", seq_len=512, batch_size=32)
     train = TrainConfig(steps=300, learning_rate=3e-3, warmup_steps=30, eval_every=300, eval_batches=8,
                         checkpoint_every=300, log_every=10, sample_tokens=0)

@@ -18,5 +18,7 @@ from experiments.configs import k3_small_gpu
 def get_config() -> ml_collections.ConfigDict:
     cfg = k3_small_gpu.get_config()
     cfg.workdir = "runs/transformer_small_gpu"
-    cfg.model.update(mixer_pattern="A", attention_rope=True, ffn="mlp", d_ff=2176, residual="prenorm")
+    cfg.model.update(mixer_pattern="A", ffn="mlp", d_ff=2176)
+    cfg.model.attention.rope = True
+    cfg.model.residual.kind = "prenorm"
     return cfg

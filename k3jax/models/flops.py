@@ -52,8 +52,8 @@ def matmul_params_per_token(cfg: ModelConfig) -> dict[str, int]:
         if cfg.ffn == "mlp":
             ffn += 3 * d * cfg.d_ff
         else:
-            width = cfg.moe_d_ff or cfg.d_ff
-            ffn += d * cfg.moe_num_experts + (cfg.moe_top_k + cfg.moe_num_shared_experts) * 3 * d * width
+            width = cfg.moe.d_ff or cfg.d_ff
+            ffn += d * cfg.moe.num_experts + (cfg.moe.top_k + cfg.moe.num_shared_experts) * 3 * d * width
     head = d * cfg.padded_vocab_size
     return {"attention": attention, "kda": kda, "ffn": ffn, "head": head,
             "total": attention + kda + ffn + head}
@@ -63,7 +63,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward) of `cfg` on sequences of `seq_len` tokens.
 
     Args:
-      cfg: the model config (`kda_chunk_size` is the chunk C of the KDA term).
+      cfg: the model config (`kda.chunk_size` is the chunk C of the KDA term).
       seq_len: tokens per training sequence T (attention cost grows with it; packed documents are
         counted as one T-long sequence, as the dense kernel computes them).
     Returns:
@@ -80,7 +80,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     h, k = cfg.num_heads, cfg.head_dim
     num_attention = sum(1 for c in cfg.layer_mixers if c == "A")
     num_kda = cfg.num_layers - num_attention
-    chunk = min(cfg.kda_chunk_size, seq_len)
+    chunk = min(cfg.kda.chunk_size, seq_len)
     matmul = 6.0 * params["total"]
     attention = 12.0 * num_attention * h * k * seq_len
     kda = 3.0 * num_kda * h * (chunk * (6 * k + 4 * k) + 6 * k * k)

@@ -1,7 +1,7 @@
 """The hybrid language model: embedding -> L x (mixer sublayer, FFN sublayer) -> final norm -> LM head.
 
 Mixers: "A" causal softmax attention (`k3jax.nn.attention`), "K" Kimi Delta Attention (`k3jax.nn.kda`).
-FFN: SwiGLU MLP or routed MoE. Residual scheme: see `ModelConfig.residual`.
+FFN: SwiGLU MLP or routed MoE. Residual scheme: see `ResidualConfig.kind`.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def _dtype(name: str):
 def _make_mixer(cfg: ModelConfig, letter: str, rngs: nnx.Rngs):
     dtype = _dtype(cfg.dtype)
     if letter == "A":
-        return CausalSelfAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, rope=cfg.attention_rope,
-                                   rope_theta=cfg.rope_theta, dtype=dtype, rngs=rngs)
+        return CausalSelfAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, rope=cfg.attention.rope,
+                                   rope_theta=cfg.attention.rope_theta, dtype=dtype, rngs=rngs)
     from k3jax.nn.kda import KimiDeltaAttention  # noqa: PLC0415 (keeps attention-only models light)
-    return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, gate=cfg.kda_gate,
-                              lower_bound=cfg.kda_lower_bound, chunk_size=cfg.kda_chunk_size,
-                              implementation=cfg.kda_implementation, dtype=dtype, rngs=rngs)
+    return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, gate=cfg.kda.gate,
+                              lower_bound=cfg.kda.lower_bound, chunk_size=cfg.kda.chunk_size,
+                              implementation=cfg.kda.implementation, dtype=dtype, rngs=rngs)
 
 
 def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
@@ -37,11 +37,11 @@ def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
     if cfg.ffn == "mlp":
         return SwiGLU(cfg.d_model, cfg.d_ff, dtype=dtype, rngs=rngs)
     from k3jax.nn.moe import MoEFeedForward  # noqa: PLC0415
-    return MoEFeedForward(cfg.d_model, cfg.moe_d_ff or cfg.d_ff, cfg.moe_num_experts, cfg.moe_top_k,
-                          num_shared_experts=cfg.moe_num_shared_experts, score_func=cfg.moe_score_func,
-                          routed_scaling_factor=cfg.moe_routed_scaling_factor,
-                          balancing=cfg.balancing_config(), capacity_factor=cfg.moe_capacity_factor,
-                          dispatch_implementation=cfg.moe_dispatch_implementation, dtype=dtype, mesh=mesh,
+    return MoEFeedForward(cfg.d_model, cfg.moe.d_ff or cfg.d_ff, cfg.moe.num_experts, cfg.moe.top_k,
+                          num_shared_experts=cfg.moe.num_shared_experts, score_func=cfg.moe.score_func,
+                          routed_scaling_factor=cfg.moe.routed_scaling_factor,
+                          balancing=cfg.moe.balancing, capacity_factor=cfg.moe.capacity_factor,
+                          dispatch_implementation=cfg.moe.dispatch_implementation, dtype=dtype, mesh=mesh,
                           rngs=rngs)
 
 
@@ -79,12 +79,12 @@ class LanguageModel(nnx.Module):
         self.ffn_norms = nnx.List([norm() for _ in range(cfg.num_layers)])
         self.final_norm = norm()
         self.layout = cfg.block_layout()
-        if cfg.residual in ("block_attnres", "full_attnres"):
+        if cfg.residual.kind in ("block_attnres", "full_attnres"):
             # one zero-initialised pseudo-query + key norm per sublayer, and one for the final mix
             self.depth_mixes = nnx.List([DepthMix(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
                                          for _ in range(cfg.num_sublayers + 1)])
-        if cfg.residual == "article_block":
-            self.block_scales = nnx.List([BlockScale(rngs=rngs) for _ in range(cfg.residual_blocks - 1)])
+        if cfg.residual.kind == "article_block":
+            self.block_scales = nnx.List([BlockScale(rngs=rngs) for _ in range(cfg.residual.blocks - 1)])
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=dtype,
                                    kernel_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
@@ -123,9 +123,9 @@ class LanguageModel(nnx.Module):
                 fns.append(lambda x, layer=layer: mixer_call(layer, self.mixer_norms[layer](x)))
             else:
                 fns.append(lambda x, layer=layer: ffn_call(layer, self.ffn_norms[layer](x)))
-        if self.cfg.residual == "prenorm":
+        if self.cfg.residual.kind == "prenorm":
             return residual_ops.prenorm_forward(h, fns)
-        if self.cfg.residual == "article_block":
+        if self.cfg.residual.kind == "article_block":
             alphas = jnp.stack([s.alpha[...] for s in self.block_scales]) if self.block_scales else jnp.zeros((0,))
             return residual_ops.article_block_forward(h, fns, self.layout, alphas)
         queries = jnp.stack([m.pseudo_query[...] for m in self.depth_mixes])
@@ -160,7 +160,7 @@ class LanguageModel(nnx.Module):
         mnorm_defs, mnorm_states = stacked(self.mixer_norms)
         fnorm_defs, fnorm_states = stacked(self.ffn_norms)
         xs = {"mixer": mixer_states, "ffn": ffn_states, "mnorm": mnorm_states, "fnorm": fnorm_states}
-        attnres = cfg.residual != "prenorm"
+        attnres = cfg.residual.kind != "prenorm"
         per_period = lambda a: a.reshape(groups, 2 * period, *a.shape[1:])  # noqa: E731
         if attnres:
             queries = jnp.stack([m.pseudo_query[...] for m in self.depth_mixes])

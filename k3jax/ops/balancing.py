@@ -2,7 +2,9 @@
 
 A method turns one step's router scores and routing into a loss term, the selection bias for the NEXT
 step and its cross-step state (:func:`balance`). ``METHODS`` maps each name to its config class and step
-function; :func:`balancing_config` builds a config from a name. Sources:
+function; :func:`balancing_config` builds a config from a name. Each config's ``method`` is a field set by
+the class (not an argument), so ``dataclasses.asdict`` keeps it (``model.moe.balancing`` in a run's
+config, `k3jax.models.config.balancing_from_dict`). Sources:
 
 - ``"none"`` (:class:`NoBalancing`).
 - ``"aux_loss"`` (:class:`AuxLoss`): Switch Transformer auxiliary loss ``α·E·Σ_j f_j·P_j`` (Fedus et al.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -186,14 +188,14 @@ class StepInputs(NamedTuple):
 class NoBalancing:
     """No balancing: loss 0, bias unchanged."""
 
-    method: ClassVar[str] = "none"
+    method: str = dataclasses.field(default="none", init=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class AuxLoss:
     """Switch auxiliary loss (:func:`aux_loss`). ``alpha`` >= 0 (Switch: 1e-2)."""
 
-    method: ClassVar[str] = "aux_loss"
+    method: str = dataclasses.field(default="aux_loss", init=False)
     alpha: float = 1e-2
 
     def __post_init__(self):
@@ -204,7 +206,7 @@ class AuxLoss:
 class SeqAuxLoss:
     """DeepSeek-V3 sequence-wise auxiliary loss (:func:`seq_aux_loss`). ``alpha`` >= 0 (DeepSeek-V3: 1e-4)."""
 
-    method: ClassVar[str] = "seq_aux_loss"
+    method: str = dataclasses.field(default="seq_aux_loss", init=False)
     alpha: float = 1e-4
 
     def __post_init__(self):
@@ -215,7 +217,7 @@ class SeqAuxLoss:
 class LossFree:
     """Auxiliary-loss-free bias (:func:`loss_free_update`). ``gamma`` >= 0 (paper: 1e-3)."""
 
-    method: ClassVar[str] = "loss_free"
+    method: str = dataclasses.field(default="loss_free", init=False)
     gamma: float = 1e-3
 
     def __post_init__(self):
@@ -238,7 +240,7 @@ class QuantileBalancing:
       ema: None, or β in [0, 1): the next bias is ``β·b + (1−β)·b_new``.
     """
 
-    method: ClassVar[str] = "quantile"
+    method: str = dataclasses.field(default="quantile", init=False)
     quantile_estimator: str = "exact"
     histogram_bins: int = 1000
     histogram_passes: int = 1
@@ -269,7 +271,7 @@ class QuantileThreshold:
       priority_boost: score added to underloaded experts (score units).
     """
 
-    method: ClassVar[str] = "quantile_threshold"
+    method: str = dataclasses.field(default="quantile_threshold", init=False)
     high_percentile: float = 95.0
     low_percentile: float = 5.0
     tolerance: float = 0.05
@@ -367,7 +369,7 @@ def balancing_config(method: str, **options) -> BalancingMethod:
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}; got {method=}")
     cls = METHODS[method].config
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"method {method!r} takes the options {sorted(fields)}; got {unknown}")

@@ -1,7 +1,9 @@
 """Run configuration as frozen dataclasses, validated at construction.
 
 Only `experiments/` parses flags (ml_collections config files); the library takes these dataclasses.
-`run_config_from_dict` turns a (Config)dict with keys model/data/train/workdir/seed into a `RunConfig`.
+`run_config_from_dict` turns a (Config)dict with keys model/data/train/workdir/seed into a `RunConfig`;
+the model section is nested (model.kda, model.attention, model.residual, model.moe, model.moe.balancing:
+`k3jax.models.config.model_config_from_dict`, docs/config.md).
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from k3jax.data.corpus import check_source
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import ModelConfig, model_config_from_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +136,18 @@ def _build(cls, section: str, values: Mapping[str, Any]):
 
 
 def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
-    """Build a validated `RunConfig` from a plain dict or `ml_collections.ConfigDict`."""
+    """Build a validated `RunConfig` from a nested plain dict or `ml_collections.ConfigDict`.
+
+    The inverse of ``dataclasses.asdict(run_config)`` (what run_header.json holds). Unknown keys raise;
+    a flat model key of the older config (``model.moe_top_k``) raises a ValueError naming its new path
+    (``model.moe.top_k``) rather than being mapped (docs/config.md).
+    """
     d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
     unknown = sorted(set(d) - {"model", "data", "train", "workdir", "seed"})
     if unknown:
         raise ValueError(f"config: unknown field(s) {unknown}")
     return RunConfig(
-        model=_build(ModelConfig, "model", d.get("model", {})),
+        model=model_config_from_dict(d.get("model", {})),
         data=_build(DataConfig, "data", d.get("data", {})),
         train=_build(TrainConfig, "train", d.get("train", {})),
         workdir=d.get("workdir", "runs/default"),
