@@ -12,7 +12,7 @@ Rows (each in its own subprocess, so that compile time and the device's peak mem
     documents of 1000 tokens, remat full, scanned layers), its log lines parsed; skipped with a message
     when `jla` is not importable.
 Both k3jax rows use `--scan_layers` / `--remat` (default: unrolled, no remat, k3jax's defaults and the
-fastest on the H200 at K3-small; `--scan_layers --remat=full` is jla's choice), kda_implementation=None, bf16 compute.
+fastest on the H200 at K3-small; `--scan_layers --remat=full` is jla's choice), kda.implementation=None, bf16 compute.
 
 A k3jax row builds the model and optimizer as `k3jax.train.trainer.train` does and runs the trainer's
 step loop on synthetic data of the shape (Markov tokens over the vocabulary, documents of `doc_len`
@@ -41,31 +41,41 @@ import numpy as np
 SHAPES = {
     # d_model 768, 8 layers "KKKA", KDA / attention 6 x 128, MoE 16 x 1024 top-2, 32 x 2048 tokens
     "k3_small": dict(model=dict(d_model=768, num_layers=8, num_heads=6, head_dim=128, d_ff=2176, mixer_pattern="KKKA",
-                                moe_num_experts=16, moe_top_k=2, moe_d_ff=1024, residual_blocks=4),
+                                moe=dict(num_experts=16, top_k=2, d_ff=1024), residual=dict(blocks=4)),
                      batch_size=32, seq_len=2048, doc_len=1000),
     # about 1B parameters (issue 26's second shape)
     "1b": dict(model=dict(d_model=2048, num_layers=24, num_heads=16, head_dim=128, d_ff=5632, mixer_pattern="KKKA",
-                          moe_num_experts=64, moe_top_k=8, moe_d_ff=1024, residual_blocks=4),
+                          moe=dict(num_experts=64, top_k=8, d_ff=1024), residual=dict(blocks=4)),
                batch_size=16, seq_len=4096, doc_len=1000),
     "tiny": dict(model=dict(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64, mixer_pattern="KA",
-                            moe_num_experts=4, moe_top_k=2, moe_d_ff=32, residual_blocks=2),
+                            moe=dict(num_experts=4, top_k=2, d_ff=32), residual=dict(blocks=2)),
                  batch_size=2, seq_len=64, doc_len=40),
 }
 ROWS = ("like_for_like", "k3_default", "jla")
-VARIANTS = {"like_for_like": dict(residual="prenorm", moe_balancing="aux_loss", moe_aux_loss_alpha=0.01),
-            "k3_default": dict(residual="block_attnres", moe_balancing="quantile", moe_quantile_estimator="exact")}
+VARIANTS = {"like_for_like": dict(residual=dict(kind="prenorm"), moe=dict(balancing=dict(method="aux_loss", alpha=0.01))),
+            "k3_default": dict(residual=dict(kind="block_attnres"),
+                               moe=dict(balancing=dict(method="quantile", quantile_estimator="exact")))}
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """`a` updated by `b`, nested dicts merged key by key."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def model_config(shape: str, row: str, *, scan_layers: bool, remat: str):
     """The k3jax `ModelConfig` of a row at a named shape. Raises ValueError for unknown names."""
-    from k3jax.models.config import ModelConfig  # noqa: PLC0415
+    from k3jax.models.config import model_config_from_dict  # noqa: PLC0415
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape=}")
     if row not in VARIANTS:
         raise ValueError(f"row must be one of {sorted(VARIANTS)}, got {row=}")
-    return ModelConfig(vocab_size=259, ffn="moe", attention_rope=False, kda_gate="bounded", kda_lower_bound=-5.0,
-                       kda_implementation=None, dtype="bfloat16", scan_layers=scan_layers,
-                       remat=remat if scan_layers else "none", **SHAPES[shape]["model"], **VARIANTS[row])
+    base = dict(vocab_size=259, ffn="moe", attention=dict(rope=False),
+                kda=dict(gate="bounded", lower_bound=-5.0, implementation=None), dtype="bfloat16",
+                scan_layers=scan_layers, remat=remat if scan_layers else "none")
+    return model_config_from_dict(_merged(_merged(base, SHAPES[shape]["model"]), VARIANTS[row]))
 
 
 def markov_batches(num_batches: int, batch_size: int, seq_len: int, doc_len: int, vocab: int, seed: int = 0):

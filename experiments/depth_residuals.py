@@ -119,13 +119,13 @@ def residual_blocks_for(variant: str, num_layers: int, requested: int) -> int:
 
 def run_config(settings: Settings, variant: str, num_layers: int, seed: int, workdir: str):
     """The `RunConfig` of one run (no sample at the end; one checkpoint, at the end)."""
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, ResidualConfig
     from k3jax.train.config import DataConfig, RunConfig, TrainConfig
     s = settings
     model = ModelConfig(d_model=s.d_model, num_layers=num_layers, num_heads=s.num_heads, head_dim=s.head_dim,
-                        d_ff=s.d_ff, mixer_pattern="A", ffn="mlp", residual=variant,
-                        residual_blocks=max(1, residual_blocks_for(variant, num_layers, s.residual_blocks)),
-                        residual_block_unit="sublayers", dtype=s.dtype)
+                        d_ff=s.d_ff, mixer_pattern="A", ffn="mlp", dtype=s.dtype,
+                        residual=ResidualConfig(kind=variant, block_unit="sublayers", blocks=max(
+                            1, residual_blocks_for(variant, num_layers, s.residual_blocks))))
     data = DataConfig(source=s.source, seq_len=s.seq_len, batch_size=s.batch_size)
     train = TrainConfig(steps=s.steps, learning_rate=s.learning_rate, warmup_steps=min(s.warmup_steps, s.steps),
                         eval_every=s.eval_every, eval_batches=s.eval_batches, log_every=min(10, s.steps),

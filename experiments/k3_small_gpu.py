@@ -62,8 +62,8 @@ _ROOT = flags.DEFINE_string("workdir_root", "/tmp/k3_small_runs", "Run directori
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "/tmp/k3jax_jax_cache",
                                  "JAX persistent compilation cache ('' = off).")
 
-TINY_MODEL = dict(d_model=64, num_layers=4, num_heads=2, head_dim=32, d_ff=96, moe_num_experts=4, moe_d_ff=64,
-                  residual_blocks=2, dtype="float32")
+TINY_MODEL = dict(d_model=64, num_layers=4, num_heads=2, head_dim=32, d_ff=96, dtype="float32")
+TINY_MOE = dict(num_experts=4, d_ff=64)
 TINY_DATA = dict(seq_len=128, batch_size=2)
 
 
@@ -75,6 +75,8 @@ def _run_config(config, name: str) -> RunConfig:
     d["train"]["warmup_steps"] = min(d["train"]["warmup_steps"], max(_STEPS.value // 10, 1))
     if _TINY.value:
         d["model"].update(TINY_MODEL)
+        d["model"]["moe"].update(TINY_MOE)
+        d["model"]["residual"]["blocks"] = 2
         d["data"].update(TINY_DATA)
         d["train"]["eval_batches"] = 2
     d["workdir"] = os.path.join(_ROOT.value, name)

@@ -72,20 +72,20 @@ from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
 
 METHODS: dict[str, dict] = {
-    "none": {"moe_balancing": "none"},
-    "aux_loss": {"moe_balancing": "aux_loss"},
-    "seq_aux_loss": {"moe_balancing": "seq_aux_loss"},
-    "loss_free": {"moe_balancing": "loss_free"},
-    "quantile_exact": {"moe_balancing": "quantile", "moe_quantile_estimator": "exact"},
-    "quantile_histogram": {"moe_balancing": "quantile", "moe_quantile_estimator": "histogram"},
-    "quantile_histogram_2pass": {"moe_balancing": "quantile", "moe_quantile_estimator": "histogram",
-                                 "moe_histogram_passes": 2},
-    "quantile_exact_ema0.9": {"moe_balancing": "quantile", "moe_quantile_estimator": "exact", "moe_ema": 0.9},
-    "quantile_exact_iter4": {"moe_balancing": "quantile", "moe_quantile_estimator": "exact",
-                             "moe_quantile_iterations": 4},
-    "quantile_threshold": {"moe_balancing": "quantile_threshold"},
-    "capacity_1.0_aux": {"moe_balancing": "aux_loss", "moe_capacity_factor": 1.0},
-    "capacity_1.25_aux": {"moe_balancing": "aux_loss", "moe_capacity_factor": 1.25},
+    "none": {"balancing": {"method": "none"}},
+    "aux_loss": {"balancing": {"method": "aux_loss"}},
+    "seq_aux_loss": {"balancing": {"method": "seq_aux_loss"}},
+    "loss_free": {"balancing": {"method": "loss_free"}},
+    "quantile_exact": {"balancing": {"method": "quantile", "quantile_estimator": "exact"}},
+    "quantile_histogram": {"balancing": {"method": "quantile", "quantile_estimator": "histogram"}},
+    "quantile_histogram_2pass": {"balancing": {"method": "quantile", "quantile_estimator": "histogram",
+                                               "histogram_passes": 2}},
+    "quantile_exact_ema0.9": {"balancing": {"method": "quantile", "quantile_estimator": "exact", "ema": 0.9}},
+    "quantile_exact_iter4": {"balancing": {"method": "quantile", "quantile_estimator": "exact",
+                                           "quantile_iterations": 4}},
+    "quantile_threshold": {"balancing": {"method": "quantile_threshold"}},
+    "capacity_1.0_aux": {"balancing": {"method": "aux_loss"}, "capacity_factor": 1.0},
+    "capacity_1.25_aux": {"balancing": {"method": "aux_loss"}, "capacity_factor": 1.25},
 }
 STATS = ("max_vio", "cv", "dropped_fraction", "dead_experts", "diverted_fraction", "entropy")
 
@@ -157,7 +157,9 @@ def run_config(base: dict, method: str, seed: int, *, num_experts: int, top_k: i
     if method not in METHODS:
         raise ValueError(f"method: unknown {method!r}; choose from {sorted(METHODS)}")
     d = json.loads(json.dumps(base))  # deep copy of plain data
-    d["model"].update(ffn="moe", moe_num_experts=num_experts, moe_top_k=top_k, **METHODS[method])
+    d["model"]["ffn"] = "moe"
+    # model.moe: E, k and the method's settings; its balancing replaces the base config's (whole).
+    d["model"].setdefault("moe", {}).update(num_experts=num_experts, top_k=top_k, **METHODS[method])
     d["train"].update(steps=steps, eval_every=steps, checkpoint_every=steps, log_every=max(1, min(10, steps // 20)),
                       sample_tokens=0)
     d["train"]["warmup_steps"] = min(d["train"].get("warmup_steps", 0), max(steps // 10, 1))
@@ -203,17 +205,23 @@ def _field_defaults() -> dict[str, object]:
     from k3jax.models.config import ModelConfig
     from k3jax.train.config import DataConfig, TrainConfig
     out = {}
+
+    def flatten(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flatten(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
     for section, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig)):
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                out[f"{section}.{f.name}"] = f.default
+        flatten(section, dataclasses.asdict(cls()))  # nested sub-configs: model.moe.balancing.method, ...
     return out
 
 
 def _config_differences(a, b, prefix: str = "", defaults: dict | None = None) -> list[str]:
     """Dotted keys where two (nested) base-config dicts differ. A key missing on one side counts,
     unless the other side holds that field's dataclass default (a field added to the config after
-    the older file was written, e.g. model.moe_quantile_iterations = 1: the same run)."""
+    the older file was written, e.g. model.moe.balancing.quantile_iterations = 1: the same run)."""
     defaults = _field_defaults() if defaults is None else defaults
     if a is _MISSING or b is _MISSING:
         present = b if a is _MISSING else a

@@ -378,7 +378,7 @@ def findings(res):
         f"{g(d0, 0.03)['pooled_max_vio']:.3f}; content rho 0.25: {g(c0, 0.25)['pooled_max_vio']:.3f}), but "
         f"with EMA 0.9 it does: content {g(ct['exact/ema=0.9/iters=1'], 0.25)['pooled_max_vio']:.3f} vs drift "
         f"{g(dr['exact/ema=0.9/iters=1'], 0.03)['pooled_max_vio']:.3f} - a cheap discriminating GPU run "
-        f"(moe_ema=0.9, compare MaxVio_global). In the H200 run lr decays 10x (cosine) over the 300 steps, "
+        f"(model.moe.balancing.ema=0.9, compare MaxVio_global). In the H200 run lr decays 10x (cosine) over the 300 steps, "
         f"yet QB's MaxVio_batch only went ~0.5 -> ~0.3, while drift eta 0.03 -> 0.01 here gives "
         f"{g(d0, 0.03)['next_batch_max_vio']:.2f} -> {g(d0, 0.01)['next_batch_max_vio']:.2f}: drift alone "
         f"does not explain the late plateau; batch-to-batch content shift (32 windows of Python files) is "

@@ -139,7 +139,8 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
         return out._replace(stats=stats)
 
     base = moe_balance_gpu.get_config().to_dict()
-    base["model"].update(d_model=128, num_heads=2, head_dim=64, d_ff=384, moe_d_ff=128, dtype="float32")
+    base["model"].update(d_model=128, num_heads=2, head_dim=64, d_ff=384, dtype="float32")
+    base["model"]["moe"]["d_ff"] = 128
     base["data"].update(seq_len=256, batch_size=16)
     base["train"].update(eval_batches=2)
     B.balance = balance_with_demand
