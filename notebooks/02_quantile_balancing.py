@@ -111,7 +111,7 @@ for method in METHODS:
         "workdir": workdir, "seed": 0,
         "model": dict(d_model=32 if SMALL else 128, num_layers=2, num_heads=2 if SMALL else 4,
                       head_dim=16 if SMALL else 32, d_ff=32 if SMALL else 128,
-                      ffn="moe", moe_num_experts=8, moe_top_k=2, moe_balancing=method),
+                      ffn="moe", moe=dict(num_experts=8, top_k=2, balancing=dict(method=method))),
         "data": dict(source=CORPUS, seq_len=64, batch_size=4 if SMALL else 16, cache_dir=cache_dir),
         "train": dict(steps=STEPS, learning_rate=3e-3, warmup_steps=2, eval_every=STEPS, eval_batches=1,
                       log_every=1, checkpoint_every=STEPS, keep_checkpoints=1, sample_tokens=0),

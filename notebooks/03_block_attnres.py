@@ -53,7 +53,7 @@ from flax import nnx
 
 from k3jax.data.corpus import load_corpus
 from k3jax.data.pipeline import eval_batches
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import ModelConfig, ResidualConfig
 from k3jax.models.lm import LanguageModel
 from k3jax.train.config import DataConfig, RunConfig, TrainConfig
 from k3jax.train.metrics import read_metrics
@@ -71,13 +71,13 @@ WORKDIR = tempfile.mkdtemp(prefix="k3jax_nb03_")
 print(f"{SMALL=} {SOURCE=} {STEPS=} {WORKDIR=}")
 
 # %% [markdown]
-# Both models are identical except for `residual`. With `residual_blocks=4` the 16 sublayers
+# Both models are identical except for `residual.kind`. With `residual.blocks=4` the 16 sublayers
 # (8 × attention + MLP) form 4 blocks of 4 sublayers.
 
 # %%
 def run_config(residual: str) -> RunConfig:
     model = ModelConfig(d_model=D_MODEL, num_layers=NUM_LAYERS, num_heads=2, head_dim=16, d_ff=64,
-                        mixer_pattern="A", ffn="mlp", residual=residual, residual_blocks=4)
+                        mixer_pattern="A", ffn="mlp", residual=ResidualConfig(kind=residual, blocks=4))
     data = DataConfig(source=SOURCE, seq_len=SEQ_LEN, batch_size=BATCH)
     tr = TrainConfig(steps=STEPS, learning_rate=3e-3, warmup_steps=max(1, STEPS // 10), eval_every=STEPS,
                      eval_batches=2, log_every=1, checkpoint_every=STEPS, keep_checkpoints=1, sample_tokens=0)

@@ -52,9 +52,10 @@ import numpy as np
 from flax import nnx
 
 from k3jax.data.tokenizer import ByteTokenizer
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import AttentionConfig, KDAConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3jax.models.generate import generate
 from k3jax.models.lm import LanguageModel
+from k3jax.ops.balancing import QuantileBalancing
 from k3jax.train.config import DataConfig, RunConfig, TrainConfig
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import evaluate, load_trained_model, sample_text, train
@@ -66,13 +67,15 @@ T0 = time.time()
 # ## The config
 # The full model below is the one in `experiments/configs/k3_tiny.py` (the `experiments` package is
 # not pip-installed, so it is spelled out here and checked against that file when it is importable).
+# Each part has its own sub-config: `kda`, `attention`, `residual`, `moe` (with `moe.balancing`, a
+# `k3jax.ops.balancing` method config); `docs/config.md` lists the fields.
 
 # %%
 FULL = ModelConfig(
     d_model=128, num_layers=4, num_heads=4, head_dim=32, d_ff=384,
-    mixer_pattern="KKKA", attention_rope=False, kda_gate="bounded", kda_lower_bound=-5.0,
-    ffn="moe", moe_num_experts=8, moe_top_k=2, moe_d_ff=192, moe_balancing="quantile",
-    residual="block_attnres", residual_blocks=4, dtype="float32")
+    mixer_pattern="KKKA", attention=AttentionConfig(rope=False), kda=KDAConfig(gate="bounded", lower_bound=-5.0),
+    ffn="moe", moe=MoEConfig(num_experts=8, top_k=2, d_ff=192, balancing=QuantileBalancing()),
+    residual=ResidualConfig(kind="block_attnres", blocks=4), dtype="float32")
 REPO = next((d for d in (".", "..") if os.path.exists(os.path.join(d, "experiments", "configs", "k3_tiny.py"))), None)
 if REPO is not None and os.path.abspath(REPO) not in sys.path:
     sys.path.insert(0, os.path.abspath(REPO))  # a repository checkout: make `experiments` importable
@@ -88,7 +91,7 @@ except ImportError:
 if SMALL:
     # Same architecture (KKKA, bounded KDA gate, QB-balanced MoE, Block AttnRes), smaller widths.
     model_cfg = dataclasses.replace(FULL, d_model=64, num_heads=2, head_dim=32, d_ff=128,
-                                    moe_num_experts=4, moe_d_ff=64)
+                                    moe=dataclasses.replace(FULL.moe, num_experts=4, d_ff=64))
     data_cfg = DataConfig(source="text:" + os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"),
                           seq_len=64, batch_size=8)
     steps = 40
