@@ -34,9 +34,9 @@ import time
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from experiments.harness import CompileCounter, enable_compilation_cache, grouped_matmul_in_use, measure_matmul_rate
+from experiments.configs.common import define_config_file
 from k3jax.data.corpus import load_corpus
 from k3jax.data.pipeline import eval_batches
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
@@ -44,8 +44,8 @@ from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
 from k3jax.train.trainer import _versions, evaluate, load_trained_model, train
 
-_K3 = config_flags.DEFINE_config_file("k3_config", "experiments/configs/k3_small_gpu.py", "K3-small run config.")
-_BASE = config_flags.DEFINE_config_file("baseline_config", "experiments/configs/transformer_small_gpu.py",
+_K3 = define_config_file("k3_config", "experiments/configs/k3_small_gpu.py", "K3-small run config.")
+_BASE = define_config_file("baseline_config", "experiments/configs/transformer_small_gpu.py",
                                         "Transformer baseline run config.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps of both models (overrides train.steps).")
 _K3_BUDGET = flags.DEFINE_float("k3_time_budget_s", 220.0, "Wall-clock seconds K3-small may train after its "

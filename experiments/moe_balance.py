@@ -64,10 +64,10 @@ import time
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from experiments.harness import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
 import k3jax.train.trainer as trainer_lib
+from experiments.configs.common import define_config_file
 from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
 
@@ -95,7 +95,7 @@ def _define_flags():
     other experiment modules then defines no absl flags that could collide, e.g. --seeds, --out)."""
     global _CONFIG, _METHODS, _SEEDS, _STEPS, _EXPERTS, _TOP_K, _WARMUP, _ROOT, _OUT, _ORDER, _BUDGET, _MERGE, _NAME
     global _CACHE_DIR, _MERGE_LATER_WINS
-    _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Base run config.")
+    _CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Base run config.")
     _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to run (keys of METHODS).")
     _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
     _STEPS = flags.DEFINE_integer("steps", 600, "Training steps per run.")
@@ -225,6 +225,9 @@ def _config_differences(a, b, prefix: str = "", defaults: dict | None = None) ->
     defaults = _field_defaults() if defaults is None else defaults
     if a is _MISSING or b is _MISSING:
         present = b if a is _MISSING else a
+        if isinstance(present, dict):  # a whole section missing on one side: compare its fields
+            return [d for key, value in present.items() for d in _config_differences(
+                *((_MISSING, value) if a is _MISSING else (value, _MISSING)), f"{prefix}.{key}", defaults)]
         same = prefix in defaults and _jsonable(defaults[prefix]) == present
         return [] if same else [prefix]
     if not isinstance(a, dict) or not isinstance(b, dict):

@@ -304,8 +304,8 @@ def _define_flags():
     """Command-line flags, defined only when run as a script (tests import experiment modules together)."""
     global _LAYERS, _CONFIG, _OUT, _TRACE_DIR, _WARMUP, _TIMED, _STEPS, _HLO, _PYTHON_TRACER, _TOP, _FROM_TRACE, _HLO_DIR
     from absl import flags  # noqa: PLC0415
-    from ml_collections import config_flags  # noqa: PLC0415
-    _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
+    from experiments.configs.common import define_config_file  # noqa: PLC0415
+    _CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
     _LAYERS = flags.DEFINE_bool("layers", False, "Instead of the trace: forward+backward time of each sublayer type "
                                 "and of the whole LM loss (median of --timed calls after --warmup).")
     _OUT = flags.DEFINE_string("out", "/tmp/profile_step", "Output prefix (<out>.json, <out>.md).")

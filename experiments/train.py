@@ -6,12 +6,12 @@ Outputs go to `--config.workdir`: checkpoints/, metrics.jsonl, tensorboard/, run
 Re-running with the same workdir resumes from the latest checkpoint.
 """
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from experiments.configs.common import define_config_file
 from k3jax.train.config import run_config_from_dict
 from k3jax.train.trainer import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "Run config file.")
+_CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Run config file.")
 
 
 def main(argv):

@@ -1,9 +1,10 @@
 """Helpers for config files: dataclass defaults -> ml_collections.ConfigDict with overridable fields."""
 import dataclasses
+import sys
 import typing
 
 import ml_collections
-from ml_collections import config_dict
+from ml_collections import config_dict, config_flags
 
 from k3jax.ops.balancing import METHODS
 
@@ -55,3 +56,27 @@ def section(obj) -> ml_collections.ConfigDict:
         else:
             values[f.name] = config_dict.placeholder(_optional_type(type(obj), f.name)) if value is None else value
     return ml_collections.ConfigDict(values)
+
+
+def check_renamed_overrides(argv) -> None:
+    """Raise a ValueError naming the new path for a command-line override of a flat model key of the
+    older config (``--config.model.moe_top_k=4`` -> ``--config.model.moe.top_k``; `RENAMED`); without
+    this, ml_collections fails with a bare ``AttributeError: 'moe_top_k'``."""
+    from k3jax.models.config import RENAMED  # noqa: PLC0415
+
+    for arg in argv[1:]:
+        name = arg.lstrip("-").split("=", 1)[0]
+        head, sep, key = name.partition(".model.")
+        if sep and key in RENAMED:
+            raise ValueError(f"--{name} is a flat key of the older config: use --{head}.model.{RENAMED[key]} "
+                             "(docs/config.md)")
+
+
+def define_config_file(name: str, default: str, help_string: str, **kwargs):
+    """`config_flags.DEFINE_config_file` after `check_renamed_overrides` on sys.argv (ml_collections
+    parses the overrides as the flag is defined); a renamed key exits like absl's flag errors."""
+    try:
+        check_renamed_overrides(sys.argv)
+    except ValueError as e:
+        raise SystemExit(f"FATAL Flags parsing error: {e}") from None
+    return config_flags.DEFINE_config_file(name, default, help_string, **kwargs)

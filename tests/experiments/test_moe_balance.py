@@ -8,7 +8,7 @@ import pytest
 
 from experiments import moe_balance
 from experiments.configs.common import section
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import AttentionConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3jax.train import trainer as trainer_lib
 from k3jax.train.config import DataConfig, TrainConfig
 from k3jax.train.optimizer import make_optimizer
@@ -27,8 +27,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 def _tiny_base() -> dict:
     model = ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16, d_ff=64, mixer_pattern="A",
-                        attention_rope=True, ffn="moe", moe_num_experts=4, moe_top_k=2, moe_d_ff=32,
-                        residual="prenorm", dtype="float32")
+                        attention=AttentionConfig(rope=True), ffn="moe",
+                        moe=MoEConfig(num_experts=4, top_k=2, d_ff=32), residual=ResidualConfig(kind="prenorm"),
+                        dtype="float32")
     data = DataConfig(source="python-stdlib", seq_len=32, batch_size=2)
     train = TrainConfig(steps=2, learning_rate=1e-3, warmup_steps=1, eval_every=2, eval_batches=1,
                         checkpoint_every=2, log_every=1, sample_tokens=0)
@@ -143,13 +144,13 @@ def test_methods_table_rows_build_valid_configs(tmp_path):
         cfg = moe_balance.run_config(base, method, 1, num_experts=4, top_k=2, steps=2, workdir_root=str(tmp_path))
         assert cfg.seed == 1 and cfg.model.ffn == "moe" and cfg.workdir.endswith(f"{method}/seed1")
     two = moe_balance.run_config(base, "quantile_histogram_2pass", 0, num_experts=4, top_k=2, steps=2,
-                                 workdir_root=str(tmp_path)).model.balancing_config()
+                                 workdir_root=str(tmp_path)).model.moe.balancing
     assert (two.method, two.quantile_estimator, two.histogram_passes) == ("quantile", "histogram", 2)
     ema = moe_balance.run_config(base, "quantile_exact_ema0.9", 0, num_experts=4, top_k=2, steps=2,
-                                 workdir_root=str(tmp_path)).model.balancing_config()
+                                 workdir_root=str(tmp_path)).model.moe.balancing
     assert (ema.method, ema.quantile_estimator, ema.ema) == ("quantile", "exact", 0.9)
     it4 = moe_balance.run_config(base, "quantile_exact_iter4", 0, num_experts=4, top_k=2, steps=2,
-                                 workdir_root=str(tmp_path)).model.balancing_config()
+                                 workdir_root=str(tmp_path)).model.moe.balancing
     assert (it4.method, it4.quantile_estimator, it4.quantile_iterations) == ("quantile", "exact", 4)
 
 

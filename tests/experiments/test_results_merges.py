@@ -37,11 +37,11 @@ def test_moe_balance_merge_rejects_different_base_configs(tmp_path):
     with pytest.raises(ValueError, match=r"base_config differs .* at model\.d_model"):
         moe_balance.merge_results([a + ".json", b + ".json"])
     # A field the older file lacks (added to the config later) matches only at its default.
-    meta_b["base_config"] = {"model": {"d_model": 32, "ffn": "moe", "moe_quantile_iterations": 4}}
+    meta_b["base_config"] = {"model": {"d_model": 32, "ffn": "moe", "moe": {"balancing": {"quantile_iterations": 4}}}}
     moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, meta_b, b)
-    with pytest.raises(ValueError, match=r"at model\.moe_quantile_iterations"):
+    with pytest.raises(ValueError, match=r"at model\.moe\.balancing\.quantile_iterations"):
         moe_balance.merge_results([a + ".json", b + ".json"])
-    meta_b["base_config"] = {"model": {"d_model": 32, "ffn": "moe", "moe_quantile_iterations": 1}}
+    meta_b["base_config"] = {"model": {"d_model": 32, "ffn": "moe", "moe": {"balancing": {"quantile_iterations": 1}}}}
     moe_balance.write_results({"aux_loss": [_row(0, 3.1)]}, meta_b, b)
     results, meta = moe_balance.merge_results([a + ".json", b + ".json"])
     assert list(results) == ["none", "aux_loss"]

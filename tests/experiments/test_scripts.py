@@ -14,7 +14,7 @@ from experiments import depth_residuals as dr
 from experiments import profile_step
 from experiments import qb_convergence as Q
 from experiments.configs import k3_tiny
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import model_config_from_dict
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
 from k3jax.train.config import run_config_from_dict
 
@@ -27,7 +27,7 @@ def test_gpu_configs_are_matched():
     base = run_config_from_dict(transformer_small_gpu.get_config())
     run_config_from_dict(moe_balance_gpu.get_config())
     assert k3.model.layer_mixers.count("K") == 3 * k3.model.layer_mixers.count("A")
-    assert (k3.model.ffn, k3.model.moe_balancing, k3.model.residual, k3.model.dtype) == (
+    assert (k3.model.ffn, k3.model.moe.balancing.method, k3.model.residual.kind, k3.model.dtype) == (
         "moe", "quantile", "block_attnres", "bfloat16")
     assert base.model.layer_mixers == ("A",) * base.model.num_layers and base.model.ffn == "mlp"
     for field in ("d_model", "num_layers", "num_heads", "head_dim", "dtype"):
@@ -42,8 +42,9 @@ def test_gpu_configs_are_matched():
 
 def test_tiny_config_profile_writes_table_json_and_md(tmp_path):
     d = k3_tiny.get_config().to_dict()
-    d["model"].update(d_model=32, num_layers=2, mixer_pattern="KA", num_heads=2, head_dim=16, d_ff=64,
-                      moe_num_experts=4, moe_d_ff=32, residual_blocks=2)
+    d["model"].update(d_model=32, num_layers=2, mixer_pattern="KA", num_heads=2, head_dim=16, d_ff=64)
+    d["model"]["moe"].update(num_experts=4, d_ff=32)
+    d["model"]["residual"].update(blocks=2)
     d["data"].update(seq_len=64, batch_size=2)
     cfg = run_config_from_dict(d)
     result = profile_step.profile_run(cfg, warmup=0, timed=1, steps=2, trace_dir=str(tmp_path / "trace"),
@@ -149,7 +150,7 @@ def test_k3_small_gpu_script_smoke(tmp_path):
     assert set(k3["val"]) == set(base["val"]) == {"1"}
     assert np.isfinite(k3["val"]["1"]["val_bpb"]) and np.isfinite(base["val"]["1"]["val_bpb"])
     assert k3["tokens"] == base["tokens"] == 2 * 128
-    k3_model = ModelConfig(**{k: v for k, v in k3["config"].items() if k not in ("seq_len", "batch_size")})
+    k3_model = model_config_from_dict({k: v for k, v in k3["config"].items() if k not in ("seq_len", "batch_size")})
     assert k3["flops_per_token"] == model_flops_per_token(k3_model, 128)
     assert k3["mfu"] == k3["flops_per_token"]["total"] * k3["tokens_per_s"] / res["matmul"]["flops_per_s"]
     md = open(tmp_path / "out" / "k3_small_h200.md").read()
@@ -170,9 +171,12 @@ def test_bench_train_parses_jla_log_lines_and_builds_like_for_like_rows():
     assert parsed["compile_s"] == 107.2 and parsed["compiled_memory_gib"] == 17.7 and parsed["final_loss"] == 4.0
     lfl = bench_train.model_config("k3_small", "like_for_like", scan_layers=True, remat="full")
     k3 = bench_train.model_config("k3_small", "k3_default", scan_layers=False, remat="full")
-    assert (lfl.residual, lfl.moe_balancing, lfl.moe_aux_loss_alpha, lfl.remat) == ("prenorm", "aux_loss", 0.01, "full")
-    assert (k3.residual, k3.moe_balancing, k3.remat, k3.kda_implementation) == ("block_attnres", "quantile", "none", None)
-    assert (lfl.d_model, lfl.num_layers, lfl.mixer_pattern, lfl.moe_num_experts, lfl.moe_d_ff) == (768, 8, "KKKA", 16, 1024)
+    assert (lfl.residual.kind, lfl.moe.balancing.method, lfl.moe.balancing.alpha, lfl.remat) == (
+        "prenorm", "aux_loss", 0.01, "full")
+    assert (k3.residual.kind, k3.moe.balancing.method, k3.remat, k3.kda.implementation) == (
+        "block_attnres", "quantile", "none", None)
+    assert (lfl.d_model, lfl.num_layers, lfl.mixer_pattern, lfl.moe.num_experts, lfl.moe.d_ff) == (
+        768, 8, "KKKA", 16, 1024)
     batch = bench_train.markov_batches(1, 2, 2048, 1000, 259)[0]
     np.testing.assert_array_equal(batch["segment_ids"][0, [0, 999, 1000, 2047]], [1, 1, 2, 3])
     np.testing.assert_array_equal(batch["positions"][0, [999, 1000]], [999, 0])

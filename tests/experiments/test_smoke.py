@@ -15,7 +15,7 @@ from tests.repo import REPO
 # The tiny LM of every --config run (one place to edit when config fields move).
 TINY_LM = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.mixer_pattern=KA",
            "--config.model.num_heads=2", "--config.model.head_dim=16", "--config.model.d_ff=64",
-           "--config.model.moe_num_experts=4", "--config.model.moe_d_ff=32", "--config.model.residual_blocks=2",
+           "--config.model.moe.num_experts=4", "--config.model.moe.d_ff=32", "--config.model.residual.blocks=2",
            "--config.data.seq_len=64", "--config.data.batch_size=2"]
 
 # name -> (module, arguments with {out} for a tmp prefix, files under tmp that must exist afterwards)

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import ModelConfig, MoEConfig
 from k3jax.models.flops import matmul_params_per_token, model_flops_per_token
 from k3jax.models.lm import LanguageModel
 from k3jax.train.config import run_config_from_dict
 
 TINY_HYBRID = ModelConfig(d_model=8, num_layers=2, num_heads=2, head_dim=4, mixer_pattern="KA", ffn="moe",
-                          moe_num_experts=4, moe_top_k=2, moe_d_ff=6)
+                          moe=MoEConfig(num_experts=4, top_k=2, d_ff=6))
 
 
 def test_flops_hand_count():
@@ -28,7 +28,7 @@ def test_flops_hand_count():
 @pytest.mark.parametrize("cfg", [
     ModelConfig(d_model=16, num_layers=2, num_heads=2, head_dim=8, mixer_pattern="A", d_ff=24),
     ModelConfig(d_model=16, num_layers=2, num_heads=2, head_dim=8, mixer_pattern="KA", ffn="moe",
-                moe_num_experts=4, moe_top_k=2, moe_d_ff=12, moe_num_shared_experts=1),
+                moe=MoEConfig(num_experts=4, top_k=2, d_ff=12, num_shared_experts=1)),
 ], ids=["dense", "hybrid_moe"])
 def test_flops_params_match_the_model(cfg):
     """Active matmul params from the formula == the instantiated model's matmul weights (routed experts
@@ -42,7 +42,7 @@ def test_flops_params_match_the_model(cfg):
         elif names[-1] in ("router", "shared_gate", "shared_up", "shared_down"):
             total += int(np.prod(p.shape))
         elif names[-1] in ("w_gate", "w_up", "w_down"):
-            total += int(np.prod(p.shape)) * cfg.moe_top_k / cfg.moe_num_experts
+            total += int(np.prod(p.shape)) * cfg.moe.top_k / cfg.moe.num_experts
     assert total == matmul_params_per_token(cfg)["total"]
 
 

@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import ModelConfig, ResidualConfig
 from k3jax.models.generate import generate
 from k3jax.models.lm import LanguageModel
 
 TINY = dict(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64)
 
 
-def _model(**kw):
+def _model(residual=None, residual_blocks=8, **kw):
+    if residual is not None:
+        kw["residual"] = ResidualConfig(kind=residual, blocks=residual_blocks)
     return LanguageModel(ModelConfig(**{**TINY, **kw}), rngs=nnx.Rngs(0))
 
 
@@ -67,15 +69,6 @@ def test_greedy_generation_matches_argmax_of_forward():
     logits, _ = model(out[:, :-1])
     masked = jnp.where(jnp.arange(logits.shape[-1]) < 259, logits, -jnp.inf)
     np.testing.assert_array_equal(jnp.argmax(masked[0, 2:], -1), out[0, 3:])
-
-
-@pytest.mark.parametrize("field,value", [
-    ("d_model", 0), ("num_layers", -1), ("mixer_pattern", "AX"), ("ffn", "dense"),
-    ("residual", "postnorm"), ("dtype", "float16"), ("kda_lower_bound", -6.0), ("kda_gate", "relu"),
-])
-def test_bad_model_config_raises_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        ModelConfig(**{field: value})
 
 
 def test_mixer_pattern_tiles_over_layers():
@@ -138,23 +131,3 @@ def test_block_attnres_model_equals_hand_unrolled_two_blocks():
     b2 = v2 + v3
     expected = model._logits(depth_attention([b0, b1, b2], q[4], g[4]))
     np.testing.assert_allclose(logits, expected, atol=1e-5)
-
-
-@pytest.mark.parametrize("kw,field", [
-    (dict(residual="block_attnres", num_layers=2, residual_blocks=5), "residual_blocks"),
-    (dict(residual="article_block", num_layers=2, residual_blocks=3), "residual_blocks"),
-    (dict(residual="block_attnres", residual_block_unit="tokens"), "residual_block_unit"),
-])
-def test_bad_residual_configs_raise_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=field):
-        ModelConfig(**kw)
-
-
-@pytest.mark.parametrize("balancing", ["quantile", "quantile_threshold"])
-def test_quantile_balancing_with_top_k_equal_to_experts_fails_at_config_build(balancing):
-    # Quantile balancing needs a (k+1)-th expert per token: top_k == E must fail when the config is
-    # built, not later when the model is.
-    with pytest.raises(ValueError, match=r"model\.moe_top_k must be < moe_num_experts=4"):
-        ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=4, moe_balancing=balancing)
-    ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=4, moe_balancing="aux_loss")  # fine without QB
-    ModelConfig(ffn="moe", moe_num_experts=4, moe_top_k=3, moe_balancing=balancing)

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.models.config import ModelConfig
+from k3jax.models.config import AttentionConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3jax.models.lm import LanguageModel
 
 # 2 periods of "KA"; 3 blocks of sublayers do not line up with the period
 BASE = ModelConfig(d_model=32, num_layers=4, num_heads=2, head_dim=16, d_ff=48, mixer_pattern="KA", ffn="moe",
-                   moe_num_experts=4, moe_d_ff=32, residual="block_attnres", residual_blocks=3, attention_rope=False)
+                   moe=MoEConfig(num_experts=4, d_ff=32), residual=ResidualConfig(kind="block_attnres", blocks=3),
+                   attention=AttentionConfig(rope=False))
 TOKENS = jax.random.randint(jax.random.key(0), (2, 33), 0, 259)
 SEGMENTS = jnp.concatenate([jnp.ones((2, 20), jnp.int32), 2 * jnp.ones((2, 12), jnp.int32)], axis=1)
 
@@ -34,8 +35,8 @@ def _run(cfg):
 @pytest.mark.parametrize("changes", [
     dict(remat="none"),
     dict(remat="full"),
-    dict(remat="dots_saveable", residual="prenorm"),
-    dict(remat="none", residual="full_attnres", ffn="mlp"),
+    dict(remat="dots_saveable", residual=ResidualConfig(kind="prenorm")),
+    dict(remat="none", residual=ResidualConfig(kind="full_attnres"), ffn="mlp"),
 ])
 def test_scanned_model_equals_unrolled(changes):
     unrolled = dataclasses.replace(BASE, **{k: v for k, v in changes.items() if k != "remat"})
@@ -53,7 +54,7 @@ def test_scanned_model_equals_unrolled(changes):
     assert set(diag0) == set(diag1)
     for name in diag0:  # hidden RMS, cosine and the AttnRes depth-weight matrix
         np.testing.assert_allclose(diag1[name], diag0[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    if unrolled.residual != "prenorm":
+    if unrolled.residual.kind != "prenorm":
         assert diag0["depth_weights"].shape == (unrolled.num_sublayers + 1, unrolled.block_layout().max_sources)
 
 
@@ -81,7 +82,8 @@ def test_scanned_train_step_equals_unrolled():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(scan_layers=True, num_layers=3), "multiple of len"),
-    (dict(scan_layers=True, residual="article_block", residual_blocks=2), "scan_layers supports residual"),
+    (dict(scan_layers=True, residual=ResidualConfig(kind="article_block", blocks=2)),
+     "scan_layers supports model.residual.kind"),
     (dict(remat="full"), "needs model.scan_layers"),
     (dict(scan_layers=True, remat="offload"), "model.remat must be one of"),
 ])

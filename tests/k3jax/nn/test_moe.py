@@ -263,12 +263,12 @@ def test_language_model_expert_parallel_equals_single_device():
     bias: loads psum'ed over both token axes) with a padded row: LM loss, next biases and the gradient
     of every parameter equal the single-device model with the same init."""
     from k3jax import sharding as S
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
+    from k3jax.ops.balancing import LossFree
 
     cfg = ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=32, mixer_pattern="A",
-                      ffn="moe", moe_num_experts=8, moe_top_k=2, moe_num_shared_experts=1,
-                      moe_balancing="loss_free")
+                      ffn="moe", moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, balancing=LossFree()))
     mesh = S.make_mesh(2, 4, explicit=False)
     ref = LanguageModel(cfg, rngs=nnx.Rngs(0))
     ep = LanguageModel(cfg, rngs=nnx.Rngs(0), mesh=mesh)

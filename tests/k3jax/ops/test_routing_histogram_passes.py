@@ -108,13 +108,14 @@ def test_histogram_passes_validation():
 
 
 def test_model_config_plumbs_histogram_passes():
-    from k3jax.models.config import ModelConfig  # noqa: PLC0415
+    from k3jax.models.config import ModelConfig, model_config_from_dict  # noqa: PLC0415
 
-    cfg = ModelConfig(ffn="moe", moe_quantile_estimator="histogram", moe_histogram_passes=2)
-    assert cfg.balancing_config().histogram_passes == 2
-    assert ModelConfig(ffn="moe").balancing_config().histogram_passes == 1  # K3's single pass by default
-    with pytest.raises(ValueError, match="histogram_passes"):
-        ModelConfig(ffn="moe", moe_histogram_passes=3)
+    cfg = model_config_from_dict({"ffn": "moe", "moe": {"balancing": {
+        "method": "quantile", "quantile_estimator": "histogram", "histogram_passes": 2}}})
+    assert cfg.moe.balancing.histogram_passes == 2
+    assert ModelConfig(ffn="moe").moe.balancing.histogram_passes == 1  # K3's single pass by default
+    with pytest.raises(ValueError, match=r"model\.moe\.balancing\.histogram_passes"):
+        model_config_from_dict({"ffn": "moe", "moe": {"balancing": {"histogram_passes": 3}}})
 
 
 @pytest.mark.parametrize("field,value", [("histogram_passes", True), ("histogram_passes", 2.0),

@@ -43,7 +43,7 @@ def _losses(workdir):
 
 
 def test_training_reduces_loss_on_a_fixed_batch():
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
     from k3jax.train.optimizer import make_optimizer
@@ -62,7 +62,7 @@ def test_training_reduces_loss_on_a_fixed_batch():
 
 
 def test_nonfinite_update_is_skipped_and_counted():
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
     from k3jax.train.optimizer import make_optimizer
@@ -98,7 +98,7 @@ def _nan_batch():
 ])
 def test_nonfinite_step_reports_the_layer_that_produced_it(where, expected):
     """Issue 23: a skipped step said nothing about where the NaN came from."""
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
     from k3jax.train.optimizer import make_optimizer
@@ -415,14 +415,14 @@ def test_bad_override_on_the_command_line_fails_loudly(tmp_path):
 
 def test_moe_train_step_writes_next_bias_and_eval_leaves_it():
     """QB: the train step stores the layers' next bias (the optimizer never touches it); eval does not."""
-    from k3jax.models.config import ModelConfig
+    from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
     from k3jax.train.optimizer import make_optimizer
     from k3jax.train.step import eval_step, train_step
 
     cfg = ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=32, ffn="moe",
-                      moe_num_experts=4, moe_top_k=1, moe_balancing="quantile")
+                      moe=MoEConfig(num_experts=4, top_k=1))  # Quantile Balancing by default
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)), wrt=nnx.Param)
     tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, 256)
