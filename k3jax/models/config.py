@@ -25,6 +25,7 @@ SCAN_RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
 KDA_GATES = ("bounded", "softplus")
 KDA_IMPLEMENTATIONS = (None, "recurrent", "chunked", "pallas")
 SCORE_FUNCS = ("softmax", "sigmoid")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "pallas_triton", "cudnn")
 
 
 def _positive_int(value) -> bool:
@@ -66,16 +67,22 @@ class AttentionConfig:
     Attributes:
       rope: rotary position embedding (False = NoPE, as K3's hybrid).
       rope_theta: RoPE base (> 0).
+      implementation: None (the fastest supported: jax's Pallas flash attention on a CUDA GPU, XLA
+        elsewhere) | "xla" | "pallas_triton" | "cudnn" (`k3jax.ops.attention.causal_attention`).
     """
 
     rope: bool = True
     rope_theta: float = 10000.0
+    implementation: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.rope, bool):
             raise ValueError(f"model.attention.rope must be a bool, got {self.rope!r}")
         if not self.rope_theta > 0:
             raise ValueError(f"model.attention.rope_theta must be positive, got {self.rope_theta!r}")
+        if self.implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"model.attention.implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {self.implementation!r}")
 
 
 @dataclasses.dataclass(frozen=True)

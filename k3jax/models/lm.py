@@ -25,7 +25,8 @@ def _make_mixer(cfg: ModelConfig, letter: str, rngs: nnx.Rngs):
     dtype = _dtype(cfg.dtype)
     if letter == "A":
         return CausalSelfAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, rope=cfg.attention.rope,
-                                   rope_theta=cfg.attention.rope_theta, dtype=dtype, rngs=rngs)
+                                   rope_theta=cfg.attention.rope_theta, implementation=cfg.attention.implementation,
+                                   dtype=dtype, rngs=rngs)
     from k3jax.nn.kda import KimiDeltaAttention  # noqa: PLC0415 (keeps attention-only models light)
     return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, gate=cfg.kda.gate,
                               lower_bound=cfg.kda.lower_bound, chunk_size=cfg.kda.chunk_size,

@@ -11,16 +11,19 @@ from k3jax.ops import attention as attention_ops
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention with document masking.
 
-    q, k, v projections -> optional RoPE (positions restart in each document) -> softmax attention via
-    `jax.nn.dot_product_attention` -> output projection. Parameters fp32, compute in `dtype`.
+    q, k, v projections -> optional RoPE (positions restart in each document) -> softmax attention
+    (`k3jax.ops.attention.causal_attention` with `implementation`, None = the fastest supported) ->
+    output projection. Parameters fp32, compute in `dtype`.
 
     Call: `x [B, T, D]`, `segment_ids [B, T]`, `positions [B, T]` -> `[B, T, D]`.
     Decode: `init_cache(B, max_len)` then `decode(x [B, 1, D], cache, position=[B])`.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope: bool = True,
-                 rope_theta: float = 10000.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 rope_theta: float = 10000.0, implementation: str | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.num_heads, self.head_dim, self.rope, self.rope_theta = num_heads, head_dim, rope, rope_theta
+        self.implementation = implementation
         self.dtype = dtype
         init = nnx.initializers.normal(d_model ** -0.5)
         self.qkv = nnx.Linear(d_model, 3 * num_heads * head_dim, use_bias=False, kernel_init=init,
@@ -40,7 +43,7 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x, *, segment_ids, positions):
         b, t, _ = x.shape
         q, k, v = self._qkv(x, positions)
-        o = attention_ops.causal_attention(q, k, v, segment_ids=segment_ids)
+        o = attention_ops.causal_attention(q, k, v, segment_ids=segment_ids, implementation=self.implementation)
         return self.o(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def init_cache(self, batch_size: int, max_len: int):

@@ -1,6 +1,8 @@
 """Causal softmax attention with document (segment) masking, and rotary position embeddings.
 
-A thin wrapper over `jax.nn.dot_product_attention` (XLA on CPU; cuDNN/XLA on GPU).
+`causal_attention` runs XLA's `jax.nn.dot_product_attention` (portable; the mask is materialised),
+jax's Pallas flash attention with segment ids (the GPU default) or cuDNN; `supported` says which
+runs a call and why not.
 """
 from __future__ import annotations
 
@@ -26,28 +28,101 @@ def segment_causal_mask(q_segment_ids, kv_segment_ids, q_positions=None, kv_posi
     return (same & causal)[:, None]
 
 
-def causal_attention(q, k, v, *, segment_ids=None, scale=None):
+IMPLEMENTATIONS = ("xla", "pallas_triton", "cudnn")
+# implementation=None on a CUDA GPU: the first that supports the call; "xla" otherwise.
+GPU_AUTO_ORDER = ("pallas_triton",)
+_FLASH_BLOCK = 128  # jax's Pallas flash attention forward tiles (BlockSizes.get_default())
+
+
+def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool = False) -> tuple[bool, str]:
+    """Whether `implementation` runs this `causal_attention` call: ``(ok, reason)``, reason "" when ok.
+
+    Reads only shapes, dtypes and the platform. "xla" runs everything. "pallas_triton" (jax's Pallas
+    flash attention, `jax.experimental.pallas.ops.gpu.attention.mha`, Triton lowering: causal + segment
+    masks inside the kernel) needs a CUDA GPU (or interpret=True), T a multiple of 128 (or T <= 128 and
+    a multiple of 32), Dh a power of two in [16, 256] and bf16/fp16/fp32 inputs. "cudnn"
+    (`jax.nn.dot_product_attention(implementation="cudnn")`; the segment mask goes in as a dense
+    [B, 1, T, T] mask) needs a CUDA GPU and bf16/fp16 inputs.
+
+    Raises:
+      ValueError: unknown `implementation`.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation=}")
+    if implementation == "xla":
+        return True, ""
+    B, T, H, Dh = q.shape
+    on_gpu = jax.default_backend() == "gpu"
+    if implementation == "cudnn":
+        if not on_gpu:
+            return False, f"cudnn needs a CUDA GPU; the backend is {jax.default_backend()!r}"
+        if q.dtype not in (jnp.bfloat16, jnp.float16):
+            return False, f"cudnn needs bf16 or fp16 inputs; got {q.dtype}"
+        return True, ""
+    if not (on_gpu or interpret):
+        return False, f"pallas_triton compiles for a CUDA GPU; the backend is {jax.default_backend()!r}"
+    if not (T % _FLASH_BLOCK == 0 or (T < _FLASH_BLOCK and T % 32 == 0)):
+        return False, f"pallas_triton needs T a multiple of {_FLASH_BLOCK} (or of 32 below it); got T={T}"
+    if Dh & (Dh - 1) or not 16 <= Dh <= 256:
+        return False, f"pallas_triton needs a power-of-two head dim in [16, 256]; got Dh={Dh}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return False, f"pallas_triton needs bf16, fp16 or fp32 inputs; got {q.dtype}"
+    return True, ""
+
+
+def default_implementation(q, k, v, *, segment_ids=None) -> str:
+    """What implementation=None runs: on a CUDA GPU the first of `GPU_AUTO_ORDER` that supports the
+    call, else "xla" (CPU, TPU, unsupported shapes)."""
+    if jax.default_backend() == "gpu":
+        for name in GPU_AUTO_ORDER:
+            if supported(name, q, k, v, segment_ids=segment_ids)[0]:
+                return name
+    return "xla"
+
+
+def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: str | None = None,
+                     interpret: bool = False):
     """Causal multi-head softmax attention; tokens attend only within their own document.
 
     Args:
       q: [B, T, H, Dh] queries; k, v: [B, T, H, Dh] keys and values (same dtype as q).
       segment_ids: optional [B, T] int32 document ids (packed sequences); None = one document per row.
       scale: logit scale, default Dh**-0.5.
+      implementation: None (the fastest supported, `default_implementation`), "xla"
+        (`jax.nn.dot_product_attention` with a [B, 1, T, T] mask), "pallas_triton" (jax's Pallas
+        flash attention with segment ids, fp32 softmax statistics) or "cudnn" (see `supported`).
+      interpret: run "pallas_triton" in Pallas interpret mode (CPU tests).
 
     Returns:
-      [B, T, H, Dh] in q's dtype. Softmax is computed in fp32 by `jax.nn.dot_product_attention`.
+      [B, T, H, Dh] in q's dtype. Softmax is computed in fp32.
 
     Raises:
-      ValueError: if shapes disagree.
+      ValueError: shapes disagree, an unknown implementation, or an explicit one that cannot run the
+        call (the message gives `supported`'s reason).
     """
     if q.shape != k.shape or k.shape[:3] != v.shape[:3] or q.ndim != 4:
         raise ValueError(f"q, k, v must be [B, T, H, Dh] with matching shapes, got {q.shape=} {k.shape=} {v.shape=}")
-    if segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if segment_ids.shape != q.shape[:2]:
+    if segment_ids is not None and segment_ids.shape != q.shape[:2]:
         raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]}, got {segment_ids.shape=}")
+    if implementation is None:
+        implementation = default_implementation(q, k, v, segment_ids=segment_ids)
+    ok, why = supported(implementation, q, k, v, segment_ids=segment_ids, interpret=interpret)
+    if not ok:
+        raise ValueError(f"causal_attention {implementation=} cannot run this call: {why}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation == "pallas_triton":
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
+        T = q.shape[1]
+        blocks = pallas_attention.BlockSizes(block_q=min(_FLASH_BLOCK, T), block_k=min(_FLASH_BLOCK, T),
+                                             block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        return pallas_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=blocks,
+                                    interpret=interpret)
+    backend = implementation  # "xla" or "cudnn"
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=backend)
     mask = segment_causal_mask(segment_ids, segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=backend)
 
 
 def rope(x, positions, *, theta=10000.0):

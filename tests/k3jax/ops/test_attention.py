@@ -1,0 +1,103 @@
+"""Causal softmax attention with document masks: every implementation against an fp32 softmax written
+out by hand (forward and the three gradients, at loss scales of order 1 and 1/tokens), dispatch and
+errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops import attention as A
+
+
+def _reference(q, k, v, segment_ids):
+    """fp32 softmax(q k^T * Dh^-1/2 + mask) v, materialised (the oracle)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    T = q.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    p = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _segments(B, T, seed=0):
+    """Packed documents with boundaries at a random place, at the 32-token tile edges and one of length 1."""
+    rng = np.random.default_rng(seed)
+    cuts = np.zeros((B, T), np.int32)
+    for b in range(B):
+        points = {31, 32, 33, int(rng.integers(1, T))}
+        cuts[b, sorted(p for p in points if p < T)] = 1
+    return jnp.asarray(np.cumsum(cuts, axis=1) + 1, jnp.int32)
+
+
+def _inputs(B, T, H, Dh, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, k, v = (jax.random.normal(kk, (B, T, H, Dh), jnp.float32).astype(dtype) for kk in ks[:3])
+    do = jax.random.normal(ks[3], (B, T, H, Dh), jnp.float32)
+    return q, k, v, do
+
+
+INTERPRET = jax.default_backend() != "gpu"  # compiled kernels on a GPU, Pallas interpret mode elsewhere
+
+
+def _check(implementation, B, T, H, Dh, dtype, segments, cotangent_scale, interpret=INTERPRET):
+    q, k, v, do = _inputs(B, T, H, Dh, dtype)
+    seg = _segments(B, T) if segments else None
+    do = do * cotangent_scale
+
+    def run(fn, *xs):
+        out, vjp = jax.vjp(fn, *xs)
+        return (out, *vjp(do.astype(out.dtype)))
+
+    got = run(lambda q, k, v: A.causal_attention(q, k, v, segment_ids=seg, implementation=implementation,
+                                                 interpret=interpret), q, k, v)
+    want = run(lambda q, k, v: _reference(q, k, v, seg), *(x.astype(jnp.float32) for x in (q, k, v)))
+    # fla's style: error RMS relative to the reference RMS; bf16 inputs round every operand once
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        ratio = np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2))
+        assert ratio < tol, (implementation, name, ratio)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("cotangent_scale", [1.0, 1.0 / (2 * 128)])
+def test_matches_the_fp32_softmax(implementation, dtype, segments, cotangent_scale):
+    _check(implementation, 2, 128, 2, 32, dtype, segments, cotangent_scale)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="K3-small attention shape, compiled on a GPU")
+@pytest.mark.parametrize("implementation", ["pallas_triton", "cudnn"])
+@pytest.mark.parametrize("segments", [False, True])
+def test_gpu_training_shape_matches_the_fp32_softmax(implementation, segments):
+    _check(implementation, 2, 2048, 2, 128, jnp.bfloat16, segments, 1.0 / (2 * 2048))
+
+
+def test_one_document_per_token_attends_to_itself_only():
+    q, k, v, _ = _inputs(1, 64, 1, 16, jnp.float32)
+    seg = jnp.arange(1, 65, dtype=jnp.int32)[None]
+    for implementation in ("xla", "pallas_triton"):
+        out = A.causal_attention(q, k, v, segment_ids=seg, implementation=implementation, interpret=INTERPRET)
+        np.testing.assert_allclose(out, v, atol=1e-5)
+
+
+def test_dispatch_and_errors():
+    q = jax.ShapeDtypeStruct((2, 100, 2, 32), jnp.bfloat16)
+    assert A.supported("xla", q, q, q) == (True, "")
+    ok, why = A.supported("pallas_triton", q, q, q, interpret=True)
+    assert not ok and "multiple of 128" in why
+    ok, why = A.supported("pallas_triton", jax.ShapeDtypeStruct((2, 128, 2, 48), jnp.bfloat16), q, q, interpret=True)
+    assert not ok and "power-of-two head dim" in why
+    if jax.default_backend() != "gpu":
+        assert A.default_implementation(q, q, q) == "xla"
+        assert "CUDA GPU" in A.supported("cudnn", q, q, q)[1]
+        with pytest.raises(ValueError, match="pallas_triton.*cannot run this call"):
+            A.causal_attention(*(jnp.zeros((1, 128, 1, 16)),) * 3, implementation="pallas_triton")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        A.supported("flash", q, q, q)
+    x = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="segment_ids must be"):
+        A.causal_attention(x, x, x, segment_ids=jnp.ones((1, 63), jnp.int32))
