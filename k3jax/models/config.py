@@ -67,7 +67,7 @@ class AttentionConfig:
     Attributes:
       rope: rotary position embedding (False = NoPE, as K3's hybrid).
       rope_theta: RoPE base (> 0).
-      implementation: None (the fastest supported: jax's Pallas flash attention on a CUDA GPU, XLA
+      implementation: None (the fastest supported: cuDNN flash attention on a CUDA GPU, XLA
         elsewhere) | "xla" | "pallas_triton" | "cudnn" (`k3jax.ops.attention.causal_attention`).
     """
 

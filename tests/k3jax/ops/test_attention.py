@@ -42,6 +42,8 @@ INTERPRET = jax.default_backend() != "gpu"  # compiled kernels on a GPU, Pallas 
 
 
 def _check(implementation, B, T, H, Dh, dtype, segments, cotangent_scale, interpret=INTERPRET):
+    if not A.supported(implementation, *(jax.ShapeDtypeStruct((B, T, H, Dh), dtype),) * 3, interpret=interpret)[0]:
+        pytest.skip(f"{implementation} does not run {dtype} here")
     q, k, v, do = _inputs(B, T, H, Dh, dtype)
     seg = _segments(B, T) if segments else None
     do = do * cotangent_scale
@@ -61,7 +63,7 @@ def _check(implementation, B, T, H, Dh, dtype, segments, cotangent_scale, interp
         assert ratio < tol, (implementation, name, ratio)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("implementation", A.IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("cotangent_scale", [1.0, 1.0 / (2 * 128)])
@@ -77,11 +79,12 @@ def test_gpu_training_shape_matches_the_fp32_softmax(implementation, segments):
 
 
 def test_one_document_per_token_attends_to_itself_only():
-    q, k, v, _ = _inputs(1, 64, 1, 16, jnp.float32)
+    q, k, v, _ = _inputs(1, 64, 1, 16, jnp.bfloat16)
     seg = jnp.arange(1, 65, dtype=jnp.int32)[None]
-    for implementation in ("xla", "pallas_triton"):
-        out = A.causal_attention(q, k, v, segment_ids=seg, implementation=implementation, interpret=INTERPRET)
-        np.testing.assert_allclose(out, v, atol=1e-5)
+    for implementation in A.IMPLEMENTATIONS:
+        if A.supported(implementation, q, k, v, segment_ids=seg, interpret=INTERPRET)[0]:
+            out = A.causal_attention(q, k, v, segment_ids=seg, implementation=implementation, interpret=INTERPRET)
+            np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(v, np.float32), atol=1e-2)
 
 
 def test_dispatch_and_errors():
