@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from experiments.harness import environment, environment_line, markdown_table, rms_ratio, time_call, write_results
+from experiments.harness import (environment, environment_line, markdown_table, packed_segment_ids, rms_ratio,
+                                 time_call, write_results)
 from k3jax.ops import attention as A
 
 _SHAPES = flags.DEFINE_list("shapes", ["32x2048x6x128", "8x4096x16x128"], "B x T x H x Dh shapes.")
@@ -26,26 +26,13 @@ _REPS = flags.DEFINE_integer("stream_reps", 15, "Groups of back-to-back calls (m
 _OUT = flags.DEFINE_string("out", "/tmp/bench_attention", "Output prefix (<out>.json, <out>.md).")
 
 
-def segment_ids(B: int, T: int, docs: int, seed: int = 0):
-    """[B, T] int32 document ids: exponential lengths of mean T / docs, at least 64 tokens (ANCHORS)."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((B, T), np.int32)
-    for b in range(B):
-        pos, doc = 0, 1
-        while pos < T:
-            n = max(64, int(rng.exponential(T / docs)))
-            out[b, pos:pos + n] = doc
-            pos, doc = pos + n, doc + 1
-    return jnp.asarray(out)
-
-
 def _inputs(B, T, H, Dh, i):
     ks = jax.random.split(jax.random.key(i), 4)
     return tuple(jax.random.normal(kk, (B, T, H, Dh), jnp.bfloat16) for kk in ks)
 
 
 def bench_shape(B, T, H, Dh, docs, implementations, *, iters, warmup, reps):
-    seg = None if docs == 1 else segment_ids(B, T, docs)
+    seg = None if docs == 1 else packed_segment_ids(B, T, docs)
     q, k, v, do = _inputs(B, T, H, Dh, 0)
     ref_fn = lambda q, k, v: A.causal_attention(q, k, v, segment_ids=seg, implementation="xla")  # noqa: E731
     ref = jax.jit(lambda q, k, v, do: (ref_fn(q, k, v), *jax.vjp(ref_fn, q, k, v)[1](do)))(

@@ -55,7 +55,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.harness import (environment, find_xplane, make_kda_inputs as make_inputs, parse_kda_shape,
+from experiments.harness import (environment, find_xplane, make_kda_inputs as make_inputs, packed_segment_ids,
+                                 parse_kda_shape,
                                  parse_trace,  # noqa: F401
                                  rms_ratio, time_call, write_results, STEP_NAME)
 from k3jax.ops.kda import kda
@@ -72,6 +73,9 @@ flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
 flags.DEFINE_integer("stream_calls", None, "back-to-back timing: calls per group, one sync after the last "
                      "(0 = off; default 10 on a GPU, 0 elsewhere)")
 flags.DEFINE_integer("stream_reps", 20, "back-to-back timing: groups, each on fresh inputs (median reported)")
+flags.DEFINE_integer("docs_per_row", 1, "packed documents per row (segment_ids, harness.packed_segment_ids: "
+                     "exponential lengths of mean T / N, >= 64 tokens) for every JAX implementation; 1 = dense "
+                     "rows; fla and --profile run dense rows only")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without extension ('' = no files); the "
                     "committed CPU table is --out=experiments/results/kda_cpu")
@@ -115,24 +119,25 @@ def stream_calls() -> int:
     return 10 if jax.default_backend() == "gpu" else 0
 
 
-def implementations(chunk_size: int) -> dict[str, Callable]:
-    """name -> op(q, k, v, g, beta) -> o, for the names that can run here."""
+def implementations(chunk_size: int, segment_ids=None) -> dict[str, Callable]:
+    """name -> op(q, k, v, g, beta) -> o, for the names that can run here (packed rows with `segment_ids`)."""
     interpret = jax.default_backend() != "gpu"
+    seg = segment_ids
     out = {
-        "recurrent": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent")[0],
-        "chunked": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="chunked",
+        "recurrent": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent", segment_ids=seg)[0],
+        "chunked": lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="chunked", segment_ids=seg,
                                                 lower_bound=declared_lower_bound(), chunk_size=chunk_size)[0],
     }
     if jax.default_backend() == "gpu":
         try:  # peer: jax-linear-attention's Mosaic GPU KDA (its own gate/beta conventions as in ANCHORS)
             from jla import ops as jla_ops
             out["jla"] = lambda q, k, v, g, beta: jla_ops.linear_attention(
-                "kda", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
+                "kda", q, k, v, g=g, beta=beta, impl="mosaic_gpu", segment_ids=seg)[0]
         except ImportError:
             pass
     try:
         import pallas_kernels.kda  # noqa: F401
-        out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas",
+        out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas", segment_ids=seg,
                                                      lower_bound=declared_lower_bound(), chunk_size=chunk_size,
                                                      interpret=interpret)[0]
     except ImportError:
@@ -233,13 +238,15 @@ def counts(B, T, H, K, V, chunk_size):
     return flops, bytes_
 
 
-def check_errors(op: Callable, B, T, H, K, dtype) -> dict:
+def check_errors(op: Callable, B, T, H, K, dtype, segment_ids=None) -> dict:
     """RMS ratios of op's o and of the gradients of sum(o * do) w.r.t. q, k, v, g, beta, on the first
     batch row of fresh inputs with T tokens, against the fp32 recurrent oracle on the same inputs upcast
-    to fp32 (the reference the tests use; fla's tolerances are o 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2)."""
+    to fp32 (the reference the tests use; fla's tolerances are o 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2);
+    `segment_ids` [1, T]: the same packed documents for both."""
     del B
     args = make_inputs(jax.random.PRNGKey(7), 1, T, H, K, dtype)
-    ref_op = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent")[0]  # noqa: E731
+    ref_op = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="recurrent",  # noqa: E731
+                                          segment_ids=segment_ids)[0]
     ref = jitted(ref_op, "fwd+bwd")(*(a.astype(jnp.float32) for a in args))
     got = jitted(op, "fwd+bwd")(*args)
     o_ref = jitted(ref_op, "fwd")(*(a.astype(jnp.float32) for a in args))
@@ -294,9 +301,9 @@ def _row_key(r: dict) -> tuple:
     """What makes two rows the same measurement (check rows: implementation and shape)."""
     if r["mode"] == "check":
         return (r["implementation"], "check", r.get("shape"), r.get("B"), r.get("T"), r.get("H"), r.get("K"),
-                r.get("lower_bound", -5.0))
+                r.get("lower_bound", -5.0), r.get("docs_per_row", 1))
     return (r["implementation"], r["mode"], r["B"], r["T"], r["H"], r["K"], r.get("dtype", "bfloat16"),
-            r.get("lower_bound", -5.0))
+            r.get("lower_bound", -5.0), r.get("docs_per_row", 1))
 
 
 def _ms(x) -> str:
@@ -334,20 +341,25 @@ def time_all():
     """Time every requested implementation, shape and mode; returns (environment, rows)."""
     env = environment()
     dtype = jnp.dtype(FLAGS.dtype)
-    rows = run_fla(FLAGS.shapes) if FLAGS.fla else []
-    ops = implementations(FLAGS.chunk_size)
+    docs = FLAGS.docs_per_row
+    rows = run_fla(FLAGS.shapes) if FLAGS.fla and docs == 1 else []
     for shape in FLAGS.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))
+        seg = packed_segment_ids(B, T, docs) if docs > 1 else None
+        ops = implementations(FLAGS.chunk_size, seg)
+        check_T = min(T, FLAGS.check_max_t)
+        check_ops = implementations(FLAGS.chunk_size, None if seg is None else seg[:1, :check_T])
         for name in FLAGS.implementations:
             if name not in ops:
                 print(f"skip {name}: not importable here", flush=True)
                 continue
             if FLAGS.check_max_t and name != "recurrent":
-                errs = check_errors(ops[name], B, min(T, FLAGS.check_max_t), H, K, dtype)
+                errs = check_errors(check_ops[name], B, check_T, H, K, dtype,
+                                    None if seg is None else seg[:1, :check_T])
                 print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_fp32_recurrent=errs)), flush=True)
                 rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K,
-                                 check_T=min(T, FLAGS.check_max_t), rms_ratio_vs_fp32_recurrent=errs,
-                                 lower_bound=declared_lower_bound()))
+                                 check_T=check_T, rms_ratio_vs_fp32_recurrent=errs,
+                                 lower_bound=declared_lower_bound(), docs_per_row=docs))
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
@@ -355,7 +367,7 @@ def time_all():
                               stream_reps=FLAGS.stream_reps)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
                            chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup,
-                           lower_bound=declared_lower_bound(), **r)
+                           lower_bound=declared_lower_bound(), docs_per_row=docs, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if FLAGS.out:  # keep partial results if the run is cut short
@@ -370,6 +382,9 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
     """Markdown lines comparing pallas / chunked with the peers per shape and mode, by the rows' `key`
     ("median_ms" or "stream_ms"; fla's rows, do_bench device times, always by "median_ms"). A peer
     whose row lacks `key` leaves the ratios "—" (never a ratio to the other peer alone)."""
+    docs = sorted({r.get("docs_per_row", 1) for r in rows if r.get("mode") != "check"}) or [1]
+    if docs != [1]:
+        title += f"; packed rows, {'/'.join(map(str, docs))} documents per row (segment_ids)"
     lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 TFLOP/s, bytes / "
              "4.3 TB/s), the H200 rates measured on these machines):", "",
              "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "

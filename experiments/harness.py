@@ -71,6 +71,23 @@ def make_kda_inputs(key, B, T, H, K, dtype, *, V: int | None = None):
     return q, k, v, g, beta, do
 
 
+def packed_segment_ids(B: int, T: int, docs_per_row: int, *, seed: int = 0, min_len: int = 64):
+    """[B, T] int32 document ids of packed rows (ids from 1): exponential document lengths of mean
+    T / docs_per_row, at least `min_len` tokens, the last one cut at T (ANCHORS' packed-document recipe).
+    Raises ValueError for docs_per_row < 1."""
+    if docs_per_row < 1:
+        raise ValueError(f"docs_per_row must be >= 1; got {docs_per_row}")
+    rng = np.random.default_rng(seed)
+    out = np.zeros((B, T), np.int32)
+    for b in range(B):
+        pos, doc = 0, 1
+        while pos < T:
+            n = max(min_len, int(rng.exponential(T / docs_per_row)))
+            out[b, pos:pos + n] = doc
+            pos, doc = pos + n, doc + 1
+    return jnp.asarray(out)
+
+
 def rms_ratio(out, ref) -> float:
     """sqrt(mean((out - ref)^2) / mean(ref^2)), in float64: fla's relative RMS error of `out` against the
     reference `ref` (equal shapes, any float dtypes; 1e-30 floor on the denominator; NaN when `out` has a

@@ -22,6 +22,9 @@ TINY_LM = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config
 SCRIPTS = {
     "bench_kda": ("bench_kda", ["--shapes=1x64x1x16", "--implementations=chunked", "--iters=1", "--warmup=0",
                                 "--check_max_t=32", "--out={out}/kda"], ["kda.json", "kda.md"]),
+    "bench_kda_packed": ("bench_kda", ["--shapes=1x128x1x16", "--implementations=chunked", "--iters=1", "--warmup=0",
+                                       "--docs_per_row=2", "--check_max_t=64", "--out={out}/kdap"],
+                         ["kdap.json", "kdap.md"]),
     "bench_kda_profile": ("bench_kda", ["--profile", "--shapes=1x64x1x16", "--implementations=chunked",
                                         "--modes=fwd", "--iters=1", "--warmup=0", "--out={out}/peers"],
                           ["peers.json", "peers.md"]),
