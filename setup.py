@@ -20,6 +20,7 @@ setup(
         "tensorboardX",
         "tqdm",
         "numpy",
+        "tokenizers",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "matplotlib", "jupytext", "nbclient", "ipykernel", "datasets"],

@@ -20,7 +20,8 @@ token ids (`k3jax.data.tokenizer`: bytes 0..255, EOS = 257). Sources:
     `<path>` is either a folder holding `train.bin` and `val.bin`, or a single `.bin` file whose
     first `n - n // 100` tokens are train and last `n // 100` tokens are validation. The stream is
     used as-is: no EOS is inserted, `num_documents` is the number of EOS ids in the split, and every
-    id must be < 259 (the byte vocabulary). Nothing is cached; the file is memory-mapped in place.
+    id must be < the vocabulary: `vocab_size=` when declared, else the tokenizer's (bytes: 259). A
+    declared vocabulary above 65536 reads the file as uint32. Nothing is cached; the file is memory-mapped in place.
     A k3jax cache folder is itself a valid `tokens:` folder.
 
 `hf:<dataset>[:<text_field>]`
@@ -42,7 +43,11 @@ Cache: `$K3JAX_CACHE` (default `~/.cache/k3jax`), or `cache_dir=`. One folder pe
 (`python-stdlib-<implementation>-<python version>-<hash of the stdlib path>-f<format>`,
 `text-<hash of the resolved file list, sizes and mtimes>-f<format>`, `hf-<name>-<hash of name,
 field and dataset fingerprints>-f<format>`) holding `train.bin`, `val.bin` and `manifest.json`.
-A build is written to a temporary folder next to it and moved into place with `os.replace`, so
+Other tokenizers (`tokenizer=` of `load_corpus`, `load_tokenizer`): the byte cache is built first, and
+its documents (the byte stream cut at EOS) are encoded into `<byte key>-tok-<tokenizer hash>` (same files
+and manifest, ids uint16 when the vocabulary has <= 65536 ids, else uint32, the manifest's "dtype"); a
+trained BPE lives in `<byte key>-bpe<vocab size>` (tokenizer.json + manifest.json: corpus, key, train
+split sha256, vocab size, hash). A build is written to a temporary folder next to it and moved into place with `os.replace`, so
 a killed build never leaves a half-written cache (only a `.tmp-*` folder that is never read and
 may be deleted); a later load reuses the folder without reading the sources.
 """
@@ -64,7 +69,8 @@ from typing import Any
 
 import numpy as np
 
-from k3jax.data.tokenizer import EOS_ID, VOCAB_SIZE
+from k3jax.data.tokenizer import (EOS_ID, VOCAB_SIZE, ByteTokenizer, HFTokenizer, Tokenizer,
+                                  load_bpe_file, parse_tokenizer_spec, train_bpe)
 
 SPLITS = ("train", "validation")
 SPLIT_FILES = {"train": "train.bin", "validation": "val.bin"}
@@ -186,7 +192,8 @@ def check_source(source: str) -> None:
 
 
 def load_corpus(source: str = "python-stdlib", split: str = "train", *,
-                cache_dir: str | os.PathLike | None = None) -> Corpus:
+                cache_dir: str | os.PathLike | None = None, tokenizer: Tokenizer | None = None,
+                vocab_size: int | None = None) -> Corpus:
     """Loads one split of a corpus, building and caching it on first use.
 
     Args:
@@ -194,6 +201,11 @@ def load_corpus(source: str = "python-stdlib", split: str = "train", *,
         (see the module docstring).
       split: "train" or "validation".
       cache_dir: cache root; default `default_cache_dir()`. Unused by `tokens:`.
+      tokenizer: a `Tokenizer` (default `ByteTokenizer()`); a non-byte one encodes the byte cache's
+        documents into its own cache folder (module docstring). `tokens:` streams are not re-encoded:
+        the tokenizer gives their EOS id and, unless `vocab_size` is declared, their vocabulary.
+      vocab_size: declared vocabulary of a `tokens:` stream (ids checked < it; > 65536 = uint32
+        file); None = the tokenizer's. Only for `tokens:` sources.
 
     Returns:
       A `Corpus`. Its manifest for cached sources holds: format, source, key, tokenizer
@@ -205,27 +217,152 @@ def load_corpus(source: str = "python-stdlib", split: str = "train", *,
 
     Raises:
       ValueError: unknown `source` form, a source that matches nothing or is malformed (message
-        names `source`), a bad `split`, or an hf `text_field` that is not a column.
+        names `source`), a bad `split`, an hf `text_field` that is not a column, `vocab_size` given
+        for a source other than `tokens:`, or token ids outside the vocabulary.
       ImportError: an `hf:` source without the `datasets` library.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split=}")
     if not isinstance(source, str) or not source:
         raise ValueError(f"source must be a non-empty str, got {source=}")
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    if source.startswith("tokens:"):
+        return _load_token_file(source, split, tokenizer, vocab_size)
+    if vocab_size is not None:
+        raise ValueError(f"vocab_size is declared for tokens: sources only, got {vocab_size=} for {source=}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    if source == "python-stdlib":
-        folder = _cached(root, *_stdlib_plan(source))
-    elif source.startswith("text:"):
-        folder = _cached(root, *_text_plan(source))
-    elif source.startswith("hf:"):
-        folder = _cached(root, *_hf_plan(source))
-    elif source.startswith("tokens:"):
-        return _load_token_file(source, split)
-    else:
-        raise ValueError(
-            "source must be 'python-stdlib', 'text:<glob>', 'tokens:<path>' or "
-            f"'hf:<dataset>[:<text_field>]', got {source=}")
+    folder = _byte_cache(root, source)
+    if tokenizer.identity != "bytes":
+        folder = _tokenized_cache(root, folder, tokenizer)
     return _open_cached(folder, source, split)
+
+
+def _byte_cache(root: Path, source: str) -> Path:
+    if source == "python-stdlib":
+        return _cached(root, *_stdlib_plan(source))
+    if source.startswith("text:"):
+        return _cached(root, *_text_plan(source))
+    if source.startswith("hf:"):
+        return _cached(root, *_hf_plan(source))
+    raise ValueError(
+        "source must be 'python-stdlib', 'text:<glob>', 'tokens:<path>' or "
+        f"'hf:<dataset>[:<text_field>]', got {source=}")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Little-endian uint16 ids when `vocab_size` <= 65536, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _byte_documents(folder: Path, split: str) -> Iterator[str]:
+    """The documents of a byte cache split, in stream order, as text (the stream cut after each EOS)."""
+    corpus = _open_cached(folder, "", split)
+    tokens = np.asarray(corpus.tokens)
+    ends = np.flatnonzero(tokens == EOS_ID)
+    start = 0
+    for end in ends:
+        yield tokens[start:end].astype(np.uint8).tobytes().decode("utf-8")
+        start = int(end) + 1
+
+
+def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
+                   cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer named by a `data.tokenizer` string.
+
+    "bytes": `ByteTokenizer()`. "bpe:<path>": that tokenizer.json, read locally. "train-bpe:<V>": a
+    byte-level BPE of at most V ids trained (`k3jax.data.tokenizer.train_bpe`) on the train split of
+    `source` (its byte cache, documents in stream order), cached in `<byte key>-bpe<V>` with a manifest
+    and reused by later calls; identity "train-bpe:<V>:<byte key>". Not available for `tokens:`
+    sources (their text is unknown).
+
+    Raises:
+      ValueError: a malformed spec, a missing tokenizer file, or train-bpe on a `tokens:` source (the
+        message names data.tokenizer).
+    """
+    kind, arg = parse_tokenizer_spec(spec)
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return load_bpe_file(arg)
+    if source.startswith("tokens:"):
+        raise ValueError(f"data.tokenizer {spec!r} trains on text; a tokens: source has none ({source=})")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    byte_folder = _byte_cache(root, source)
+    byte_manifest = _read_manifest(byte_folder)
+    key = f"{byte_folder.name}-bpe{arg}"
+    folder = root / key
+    identity = f"train-bpe:{arg}:{byte_folder.name}"
+    manifest = _read_manifest(folder)
+    if manifest is not None and (folder / "tokenizer.json").is_file():
+        tok = HFTokenizer((folder / "tokenizer.json").read_text(encoding="utf-8"), identity=identity)
+        if tok.hash == manifest.get("hash"):
+            return tok
+    import tokenizers  # pylint: disable=import-outside-toplevel
+    tok = train_bpe(_byte_documents(byte_folder, "train"), arg, identity=identity)
+    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+        (tmp / "manifest.json").write_text(json.dumps({
+            "format": FORMAT_VERSION, "corpus": source, "corpus_key": byte_folder.name,
+            "corpus_train_sha256": byte_manifest["splits"]["train"]["sha256"],
+            "requested_vocab_size": arg, "vocab_size": tok.vocab_size, "identity": identity,
+            "hash": tok.hash, "tokenizers_version": tokenizers.__version__,
+            "special_tokens": ["<|bos|>", "<|eos|>", "<|pad|>"]}, indent=1, sort_keys=True))
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if _read_manifest(folder) is None:
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def _tokenized_cache(root: Path, byte_folder: Path, tokenizer: Tokenizer) -> Path:
+    """`<byte key>-tok-<hash>`: the byte cache's documents encoded with `tokenizer`, each + EOS."""
+    key = f"{byte_folder.name}-tok-{tokenizer.hash}"
+    folder = root / key
+    if _cache_complete(folder):
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    byte_manifest = _read_manifest(byte_folder)
+    dtype = token_dtype(tokenizer.vocab_size)
+    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        splits = {}
+        for s in SPLITS:
+            hasher, n_tokens = hashlib.sha256(), 0
+            with open(tmp / SPLIT_FILES[s], "wb") as f:
+                docs = list(_byte_documents(byte_folder, s))
+                for i in range(0, len(docs), 256):
+                    encoded = (tokenizer.encode_batch(docs[i:i + 256]) if hasattr(tokenizer, "encode_batch")
+                               else [tokenizer.encode(d).tolist() for d in docs[i:i + 256]])
+                    for ids in encoded:
+                        buf = np.asarray(list(ids) + [tokenizer.eos_id], dtype).tobytes()
+                        f.write(buf)
+                        hasher.update(buf)
+                        n_tokens += len(ids) + 1
+            splits[s] = {**byte_manifest["splits"][s], "num_tokens": n_tokens, "sha256": hasher.hexdigest()}
+        manifest = {**byte_manifest, "key": key, "byte_key": byte_folder.name,
+                    "tokenizer": tokenizer.identity, "tokenizer_hash": tokenizer.hash,
+                    "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.str,
+                    "splits": splits}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not _cache_complete(folder):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,22 +454,25 @@ def _cache_complete(folder: Path) -> bool:
     if manifest is None or manifest.get("format") != FORMAT_VERSION:
         return False
     try:
+        itemsize = np.dtype(manifest.get("dtype", TOKEN_DTYPE.str)).itemsize
         return all(
             (folder / SPLIT_FILES[s]).stat().st_size
-            == manifest["splits"][s]["num_tokens"] * TOKEN_DTYPE.itemsize for s in SPLITS)
+            == manifest["splits"][s]["num_tokens"] * itemsize for s in SPLITS)
     except (OSError, KeyError, TypeError):
         return False
 
 
-def _memmap(path: Path, offset_tokens: int = 0, num_tokens: int | None = None) -> np.ndarray:
-    """Read-only uint16 memmap of `path` (a read-only length-0 array for an empty range)."""
+def _memmap(path: Path, offset_tokens: int = 0, num_tokens: int | None = None,
+            dtype: np.dtype = TOKEN_DTYPE) -> np.ndarray:
+    """Read-only memmap of `path` (uint16 default; a read-only length-0 array for an empty range)."""
+    dtype = np.dtype(dtype)
     if num_tokens is None:
-        num_tokens = path.stat().st_size // TOKEN_DTYPE.itemsize - offset_tokens
+        num_tokens = path.stat().st_size // dtype.itemsize - offset_tokens
     if num_tokens == 0:
-        empty = np.zeros(0, TOKEN_DTYPE)
+        empty = np.zeros(0, dtype)
         empty.flags.writeable = False
         return empty
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=offset_tokens * TOKEN_DTYPE.itemsize,
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset_tokens * dtype.itemsize,
                      shape=(num_tokens,))
 
 
@@ -340,7 +480,7 @@ def _open_cached(folder: Path, source: str, split: str) -> Corpus:
     manifest = _read_manifest(folder)
     assert manifest is not None  # _cached only returns complete folders
     info = manifest["splits"][split]
-    tokens = _memmap(folder / info["file"], 0, info["num_tokens"])
+    tokens = _memmap(folder / info["file"], 0, info["num_tokens"], manifest.get("dtype", TOKEN_DTYPE.str))
     return Corpus(source=source, split=split, tokens=tokens, manifest=manifest,
                   num_documents=info["num_documents"])
 
@@ -466,7 +606,12 @@ def _hf_plan(source: str):
     return key, header, documents()
 
 
-def _load_token_file(source: str, split: str) -> Corpus:
+def _load_token_file(source: str, split: str, tokenizer: Tokenizer, vocab_size: int | None) -> Corpus:
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size=}")
+    vocab = vocab_size or tokenizer.vocab_size
+    dtype = token_dtype(vocab)
+    eos_id = tokenizer.eos_id
     path = Path(source[len("tokens:"):]).expanduser()
     if path.is_dir():
         files = {"train": path / "train.bin", "validation": path / "val.bin"}
@@ -476,33 +621,33 @@ def _load_token_file(source: str, split: str) -> Corpus:
         layout = "folder with train.bin and val.bin"
         file = files[split]
         n_file = file.stat().st_size
-        offset, count = 0, n_file // TOKEN_DTYPE.itemsize
+        offset, count = 0, n_file // dtype.itemsize
     elif path.is_file() and path.suffix == ".bin":
         layout = "single file: first n - n // 100 tokens train, last n // 100 validation"
         file = path
         n_file = file.stat().st_size
-        n = n_file // TOKEN_DTYPE.itemsize
+        n = n_file // dtype.itemsize
         n_val = n // VALIDATION_MODULUS
         offset, count = (0, n - n_val) if split == "train" else (n - n_val, n_val)
     else:
         raise ValueError(
             f"source must name a folder with train.bin/val.bin or a .bin file: {source=}")
-    if n_file % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"token file {file} has an odd byte size {n_file} (not uint16): {source=}")
-    tokens = _memmap(file, offset, count)
+    if n_file % dtype.itemsize:
+        raise ValueError(f"token file {file} has an odd byte size {n_file} (not {dtype.name}): {source=}")
+    tokens = _memmap(file, offset, count, dtype)
     hasher = hashlib.sha256()
     num_eos, max_id = 0, -1
     for start in range(0, count, _CHUNK):
         chunk = np.asarray(tokens[start:start + _CHUNK])
         hasher.update(chunk.tobytes())
         max_id = max(max_id, int(chunk.max()))
-        num_eos += int(np.count_nonzero(chunk == EOS_ID))
-    if max_id >= VOCAB_SIZE:
+        num_eos += int(np.count_nonzero(chunk == eos_id))
+    if max_id >= vocab:
         raise ValueError(
-            f"token file {file} holds id {max_id} >= vocab_size {VOCAB_SIZE}: {source=}")
+            f"token file {file} holds id {max_id} >= vocab_size {vocab}: {source=}")
     manifest = {"format": FORMAT_VERSION, "source": source, "path": str(path.resolve()),
-                "layout": layout, "tokenizer": "byte", "vocab_size": VOCAB_SIZE, "eos_id": EOS_ID,
-                "dtype": TOKEN_DTYPE.str, "split": split,
+                "layout": layout, "tokenizer": tokenizer.identity, "tokenizer_hash": tokenizer.hash, "vocab_size": vocab, "eos_id": eos_id,
+                "dtype": dtype.str, "split": split,
                 "splits": {split: {"file": str(file.resolve()), "offset_tokens": offset,
                                    "num_tokens": count, "num_documents": num_eos,
                                    "sha256": hasher.hexdigest()}}}
