@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import glob as glob_lib
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -124,22 +125,39 @@ def hash_split(key: str) -> str:
     return "validation" if int.from_bytes(digest[:8], "big") % VALIDATION_MODULUS == 0 else "train"
 
 
-def unigram_entropy_bits(tokens) -> float:
-    """Unigram entropy of the byte ids of `tokens`, in bits per byte.
+def unigram_entropy_bits(tokens, byte_lengths=None) -> float:
+    """Unigram entropy of `tokens`, in bits per byte.
 
-    H = -sum_b p(b) log2 p(b) over byte ids b < 256, with p the empirical frequency among byte ids
-    only (EOS/BOS/PAD are not counted). This is the cross-entropy a model that ignores context
-    could reach on this stream, the baseline a language model's bits-per-byte must beat.
+    Bytes (`byte_lengths=None`): H = -sum_b p(b) log2 p(b) over byte ids b < 256, with p the empirical
+    frequency among byte ids only (EOS/BOS/PAD are not counted). This is the cross-entropy a model that
+    ignores context could reach on this stream, the baseline a language model's bits-per-byte must beat.
+
+    Another tokenizer (`byte_lengths` = its `token_byte_lengths()`): the same over the ids that stand for
+    text (byte length > 0), H_token bits per token divided by the mean byte length of those tokens: the
+    bits per byte of a context-free model over that tokenizer's tokens.
 
     Args:
       tokens: integer array-like [N] (e.g. `Corpus.tokens`); scanned in chunks, memmap-friendly.
+      byte_lengths: None (byte ids) or int [vocab]: UTF-8 bytes each id stands for.
 
     Raises:
-      ValueError: `tokens` is not a 1-D integer array, or holds no byte ids.
+      ValueError: `tokens` is not a 1-D integer array, or holds no byte ids (no id of byte length > 0).
     """
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer array, got {arr.shape=} {arr.dtype=}")
+    if byte_lengths is not None:
+        lengths = np.asarray(byte_lengths, np.int64)
+        counts = np.zeros(lengths.shape[0], np.int64)
+        for start in range(0, arr.shape[0], _CHUNK):
+            chunk = np.asarray(arr[start:start + _CHUNK]).astype(np.int64)
+            counts += np.bincount(chunk[(chunk >= 0) & (chunk < counts.shape[0])], minlength=counts.shape[0])
+        counts = np.where(lengths > 0, counts, 0)
+        total = int(counts.sum())
+        if total == 0:
+            raise ValueError(f"tokens holds no ids that stand for text; {arr.shape=}")
+        p = counts[counts > 0] / total
+        return float(-(p * np.log2(p)).sum()) * total / float((counts * lengths).sum())
     counts = np.zeros(256, np.int64)
     for start in range(0, arr.shape[0], _CHUNK):
         chunk = np.asarray(arr[start:start + _CHUNK])
@@ -249,6 +267,12 @@ def _byte_cache(root: Path, source: str) -> Path:
         f"'hf:<dataset>[:<text_field>]', got {source=}")
 
 
+def manifest_tokenizer_name(tokenizer: Tokenizer) -> str:
+    """The manifests' "tokenizer" value: "byte" for the byte tokenizer (what every byte cache has recorded
+    since format 1, so existing caches and `tokens:` manifests read as before), else its identity."""
+    return "byte" if tokenizer.identity == ByteTokenizer.identity else tokenizer.identity
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Little-endian uint16 ids when `vocab_size` <= 65536, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
@@ -294,7 +318,8 @@ def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
     identity = f"train-bpe:{arg}:{byte_folder.name}"
     manifest = _read_manifest(folder)
     if manifest is not None and (folder / "tokenizer.json").is_file():
-        tok = HFTokenizer((folder / "tokenizer.json").read_text(encoding="utf-8"), identity=identity)
+        tok = HFTokenizer((folder / "tokenizer.json").read_text(encoding="utf-8"), identity=identity,
+                          path=str(folder / "tokenizer.json"))
         if tok.hash == manifest.get("hash"):
             return tok
     import tokenizers  # pylint: disable=import-outside-toplevel
@@ -319,6 +344,7 @@ def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    tok.path = str(folder / "tokenizer.json")
     return tok
 
 
@@ -339,10 +365,10 @@ def _tokenized_cache(root: Path, byte_folder: Path, tokenizer: Tokenizer) -> Pat
         for s in SPLITS:
             hasher, n_tokens = hashlib.sha256(), 0
             with open(tmp / SPLIT_FILES[s], "wb") as f:
-                docs = list(_byte_documents(byte_folder, s))
-                for i in range(0, len(docs), 256):
-                    encoded = (tokenizer.encode_batch(docs[i:i + 256]) if hasattr(tokenizer, "encode_batch")
-                               else [tokenizer.encode(d).tolist() for d in docs[i:i + 256]])
+                docs = _byte_documents(byte_folder, s)
+                while batch := list(itertools.islice(docs, 256)):
+                    encoded = (tokenizer.encode_batch(batch) if hasattr(tokenizer, "encode_batch")
+                               else [tokenizer.encode(d).tolist() for d in batch])
                     for ids in encoded:
                         buf = np.asarray(list(ids) + [tokenizer.eos_id], dtype).tobytes()
                         f.write(buf)
@@ -350,7 +376,7 @@ def _tokenized_cache(root: Path, byte_folder: Path, tokenizer: Tokenizer) -> Pat
                         n_tokens += len(ids) + 1
             splits[s] = {**byte_manifest["splits"][s], "num_tokens": n_tokens, "sha256": hasher.hexdigest()}
         manifest = {**byte_manifest, "key": key, "byte_key": byte_folder.name,
-                    "tokenizer": tokenizer.identity, "tokenizer_hash": tokenizer.hash,
+                    "tokenizer": manifest_tokenizer_name(tokenizer), "tokenizer_hash": tokenizer.hash,
                     "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.str,
                     "splits": splits}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -646,8 +672,8 @@ def _load_token_file(source: str, split: str, tokenizer: Tokenizer, vocab_size: 
         raise ValueError(
             f"token file {file} holds id {max_id} >= vocab_size {vocab}: {source=}")
     manifest = {"format": FORMAT_VERSION, "source": source, "path": str(path.resolve()),
-                "layout": layout, "tokenizer": tokenizer.identity, "tokenizer_hash": tokenizer.hash, "vocab_size": vocab, "eos_id": eos_id,
-                "dtype": dtype.str, "split": split,
+                "layout": layout, "tokenizer": manifest_tokenizer_name(tokenizer), "tokenizer_hash": tokenizer.hash,
+                "vocab_size": vocab, "eos_id": eos_id, "dtype": dtype.str, "split": split,
                 "splits": {split: {"file": str(file.resolve()), "offset_tokens": offset,
                                    "num_tokens": count, "num_documents": num_eos,
                                    "sha256": hasher.hexdigest()}}}

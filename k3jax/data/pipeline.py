@@ -47,6 +47,7 @@ import grain
 import numpy as np
 
 from k3jax.data.packing import pack_window, pack_windows
+from k3jax.data.tokenizer import EOS_ID
 
 DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
 
@@ -77,18 +78,20 @@ def _check(tokens, batch_size: int, seq_len: int) -> int:
 class _PackWindow(grain.transforms.Map):
     """Window index -> packed example (picklable, so grain may run it in worker processes)."""
 
-    def __init__(self, tokens, seq_len: int):
+    def __init__(self, tokens, seq_len: int, eos_id: int = EOS_ID):
         self._tokens = tokens
         self._seq_len = seq_len
+        self._eos_id = eos_id
 
     def map(self, element):
         start = int(element) * self._seq_len
-        return pack_window(np.asarray(self._tokens[start:start + self._seq_len + 1]))
+        return pack_window(np.asarray(self._tokens[start:start + self._seq_len + 1]), eos_id=self._eos_id)
 
 
 def make_train_loader(tokens, *, batch_size: int, seq_len: int, seed: int,
                       num_epochs: int | None = None,
-                      read_options: grain.ReadOptions | None = None) -> grain.DatasetIterator:
+                      read_options: grain.ReadOptions | None = None,
+                      eos_id: int = EOS_ID) -> grain.DatasetIterator:
     """A resumable grain iterator of shuffled packed training batches.
 
     Args:
@@ -99,6 +102,7 @@ def make_train_loader(tokens, *, batch_size: int, seq_len: int, seed: int,
       num_epochs: passes over the windows; None repeats forever. With a finite count the last
         partial batch is dropped.
       read_options: grain thread/prefetch options; default 1 thread, 8 batches of prefetch.
+      eos_id: the stream's end-of-document id (segments and loss mask; the tokenizer's `eos_id`).
 
     Returns:
       A `grain.DatasetIterator` yielding {"inputs","targets","segment_ids","positions"} int32
@@ -117,18 +121,18 @@ def make_train_loader(tokens, *, batch_size: int, seq_len: int, seed: int,
     ds = (grain.MapDataset.range(n)
           .shuffle(seed=int(seed))
           .repeat(num_epochs)
-          .map(_PackWindow(tokens, int(seq_len)))
+          .map(_PackWindow(tokens, int(seq_len), int(eos_id)))
           .batch(int(batch_size), drop_remainder=True))
     return iter(ds.to_iter_dataset(read_options or DEFAULT_READ_OPTIONS))
 
 
 def eval_batches(tokens, *, batch_size: int, seq_len: int,
-                 max_batches: int) -> list[dict[str, np.ndarray]]:
+                 max_batches: int, eos_id: int = EOS_ID) -> list[dict[str, np.ndarray]]:
     """A fixed evaluation slice: windows 0, 1, 2, ... (stride seq_len) from the start, in order.
 
     Returns min(max_batches, num_windows // batch_size) full batches, or, when the stream holds
     fewer than `batch_size` windows, one smaller batch of all of them. Each batch is a dict of
-    [b, T] arrays as `make_train_loader` yields.
+    [b, T] arrays as `make_train_loader` yields (`eos_id` as there).
 
     Raises:
       ValueError: non-positive `batch_size`/`seq_len`/`max_batches`, or a stream shorter than
@@ -142,7 +146,7 @@ def eval_batches(tokens, *, batch_size: int, seq_len: int,
     for b in sizes:
         starts = (window + np.arange(b)) * seq_len
         rows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts])
-        batches.append(pack_windows(rows))
+        batches.append(pack_windows(rows, eos_id=eos_id))
         window += b
     return batches
 

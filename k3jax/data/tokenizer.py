@@ -54,6 +54,7 @@ class ByteTokenizer:
     pad_id: ClassVar[int] = PAD_ID
     vocab_size: ClassVar[int] = VOCAB_SIZE
     identity: ClassVar[str] = "bytes"
+    path: ClassVar[None] = None
 
     @property
     def hash(self) -> str:
@@ -135,7 +136,8 @@ class Tokenizer(Protocol):
     `encode(text, add_bos=False, add_eos=False) -> int32 [n]`; `decode(ids) -> str` (special ids
     dropped); `token_byte_lengths() -> int32 [vocab_size]` (UTF-8 bytes each id decodes to, 0 for
     special ids); `identity` (e.g. "bytes", "bpe:/abs/tokenizer.json") and `hash` (16 hex digits of
-    sha256 of the tokenizer's content: equal hashes encode identically).
+    sha256 of the tokenizer's content: equal hashes encode identically); `path` (the tokenizer.json it
+    was read from, None for bytes).
     """
 
     vocab_size: int
@@ -143,6 +145,7 @@ class Tokenizer(Protocol):
     eos_id: int
     pad_id: int
     identity: str
+    path: str | None
 
     @property
     def hash(self) -> str: ...
@@ -186,12 +189,13 @@ class HFTokenizer:
     Args:
       json_str: the tokenizer.json content.
       identity: the identity string ("bpe:<absolute path>" or "train-bpe:<vocab>:<corpus key>").
+      path: the file it was read from, if any (recorded in run headers and checkpoints).
 
     Raises:
       ValueError: the JSON is not a tokenizer, or it has no EOS token.
     """
 
-    def __init__(self, json_str: str, identity: str):
+    def __init__(self, json_str: str, identity: str, path: str | None = None):
         from tokenizers import Tokenizer as _HF  # pylint: disable=import-outside-toplevel
         try:
             self._tok = _HF.from_str(json_str)
@@ -199,6 +203,7 @@ class HFTokenizer:
             raise ValueError(f"not a tokenizers tokenizer.json ({identity}): {e}") from e
         self._json = json_str
         self.identity = identity
+        self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
         def find(names):
@@ -310,7 +315,25 @@ def load_bpe_file(path: str | os.PathLike) -> HFTokenizer:
     if not p.is_file():
         raise ValueError(f"data.tokenizer: tokenizer file not found: {str(p)!r} (expected "
                          "'bpe:<path to a tokenizer.json>')")
-    return HFTokenizer(p.read_text(encoding="utf-8"), identity=f"bpe:{p.resolve()}")
+    return HFTokenizer(p.read_text(encoding="utf-8"), identity=f"bpe:{p.resolve()}", path=str(p.resolve()))
+
+
+def spec_vocab_size(spec: str) -> int:
+    """The model vocabulary a `data.tokenizer` string needs, without training anything.
+
+    "bytes": 259. "bpe:<path>": that tokenizer's vocabulary (the file is read). "train-bpe:<V>": V, the
+    most ids the trained BPE can have (it has exactly V unless the corpus supports fewer merges; ids it
+    lacks are never targets and never sampled).
+
+    Raises:
+      ValueError: as `parse_tokenizer_spec` and `load_bpe_file`.
+    """
+    kind, arg = parse_tokenizer_spec(spec)
+    if kind == "bytes":
+        return VOCAB_SIZE
+    if kind == "bpe":
+        return load_bpe_file(arg).vocab_size
+    return int(arg)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, *, identity: str) -> HFTokenizer:
