@@ -3,8 +3,10 @@
   python -m experiments.generate --workdir=runs/k3_tiny --prompt="def " --max_tokens=300 \
       --temperature=0.8 --top_k=40
 
-The model config is read from the workdir's run_header.json; decoding uses each mixer's cache (KV cache
-for attention, the fp32 recurrent state + conv buffer of `kda_decode_step` for KDA).
+The model config is read from the workdir's run_header.json; prompt and samples are encoded and decoded
+with the run's `data.tokenizer` (a checkpoint written with another tokenizer is refused); decoding uses
+each mixer's cache (KV cache for attention, the fp32 recurrent state + conv buffer of `kda_decode_step`
+for KDA).
 """
 import json
 import os
@@ -13,17 +15,16 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from k3jax.data.tokenizer import ByteTokenizer
 from k3jax.models.generate import generate
 from k3jax.train.config import run_config_from_dict
-from k3jax.train.trainer import load_trained_model
+from k3jax.train.trainer import load_trained_model, run_tokenizer
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/k3_tiny", "Run folder (holds run_header.json, checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 300, "Bytes to sample.", lower_bound=0)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 300, "Tokens to sample (bytes with the byte tokenizer).", lower_bound=0)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.", lower_bound=0.0)
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely bytes (0 = all).", lower_bound=0)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).", lower_bound=0)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Independent samples.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
@@ -43,12 +44,12 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     cfg = run_config_of(_WORKDIR.value)
-    model, step = load_trained_model(cfg, step=_STEP.value)
-    tok = ByteTokenizer()
+    tok = run_tokenizer(cfg)
+    model, step = load_trained_model(cfg, step=_STEP.value, tokenizer=tok)
     prompt = tok.encode(_PROMPT.value or "\n")
     prompts = np.repeat(prompt[None], _NUM_SAMPLES.value, axis=0)
     out = generate(model, prompts, max_new_tokens=_MAX_TOKENS.value, rng=jax.random.key(_SEED.value),
-                   temperature=_TEMPERATURE.value, top_k=_TOP_K.value)
+                   temperature=_TEMPERATURE.value, top_k=_TOP_K.value, vocab_size=tok.vocab_size)
     for i, row in enumerate(np.asarray(out)):
         print(f"--- sample {i} (checkpoint step {step}) ---\n{tok.decode(row)}")
 

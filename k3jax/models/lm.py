@@ -239,6 +239,13 @@ class LanguageModel(nnx.Module):
             return self.embed.attend(h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
 
+    def head_inputs(self, h):
+        """(`final_norm(h)` [..., D] in the compute dtype, the head matrix [D, padded V] fp32): the logits of
+        `_logits(h)` are their product in the compute dtype, cast to fp32. For a loss that never holds all
+        the logits (`k3jax.ops.cross_entropy.chunked_cross_entropy`)."""
+        weight = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.head.kernel[...]
+        return self.final_norm(h), weight
+
     def forward(self, inputs, *, segment_ids=None, positions=None, train: bool = True):
         """Like `__call__`, but returns `(logits, aux, DepthForward)` with per-sublayer inputs and depth
         weights for diagnostics."""

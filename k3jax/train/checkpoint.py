@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -132,13 +133,24 @@ class Checkpointer:
                          "It was written with another model/optimizer config; resume with that config or "
                          "use a new workdir")
 
-    def _read(self, step: int, model_target: dict, opt_target: dict | None, data_iterator) -> dict:
+    def _read(self, step: int, model_target: dict, opt_target: dict | None, data_iterator,
+              check_meta: Callable[[int, dict], None] | None = None) -> dict:
         """Every item of checkpoint `step` read in full (the data iterator's state is set in place).
+
+        The meta JSON is read first and given to `check_meta(step, meta)`, which may refuse the
+        checkpoint with a ValueError (e.g. another tokenizer) before any array is compared or read.
 
         Raises:
           _UnreadableError: an item that cannot be read (which one, and the exception).
-          ValueError: the checkpoint is readable but holds another model/optimizer structure.
+          ValueError: the checkpoint is readable but holds another model/optimizer structure, or
+            `check_meta` refused it.
         """
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise _UnreadableError("meta", e) from e
+        if check_meta is not None:
+            check_meta(step, dict(meta))
         items = {"model": model_target, "optimizer": opt_target}
         for item, target in items.items():
             if target is not None:
@@ -148,13 +160,13 @@ class Checkpointer:
             args["optimizer"] = ocp.args.StandardRestore(opt_target)
         if data_iterator is not None:
             args["data"] = iterator_restore_args(data_iterator)
-        args["meta"] = ocp.args.JsonRestore()
         restored = {}
         for item, item_args in args.items():  # one item at a time, so that a failure names its item
             try:
                 restored[item] = self.manager.restore(step, args=ocp.args.Composite(**{item: item_args}))[item]
             except Exception as e:  # noqa: BLE001
                 raise _UnreadableError(item, e) from e
+        restored["meta"] = meta
         return restored
 
     @staticmethod
@@ -172,26 +184,27 @@ class Checkpointer:
         return (nnx.to_pure_dict(nnx.state(model)),
                 None if optimizer is None else nnx.to_pure_dict(nnx.state(optimizer)))
 
-    def restore(self, step: int, model, optimizer, data_iterator) -> dict:
+    def restore(self, step: int, model, optimizer, data_iterator, *,
+                check_meta: Callable[[int, dict], None] | None = None) -> dict:
         """Load checkpoint `step` into `model`, `optimizer` and `data_iterator` in place; return its meta.
 
         Raises:
-          ValueError: the checkpoint cannot be read (message: path, step, item, error) or does not fit
-            the model/optimizer.
+          ValueError: the checkpoint cannot be read (message: path, step, item, error), does not fit
+            the model/optimizer, or `check_meta` (see `_read`) refused it.
         """
         try:
-            restored = self._read(step, *self._targets(model, optimizer), data_iterator)
+            restored = self._read(step, *self._targets(model, optimizer), data_iterator, check_meta)
         except _UnreadableError as e:
             raise ValueError(self._unreadable(step, e).describe()) from e.exc
         return self._apply(restored, model, optimizer)
 
-    def restore_model(self, step: int, model) -> dict:
+    def restore_model(self, step: int, model, *, check_meta: Callable[[int, dict], None] | None = None) -> dict:
         """Load only the model parameters of checkpoint `step` into `model` (for eval/sampling); return meta.
 
         Raises:
           ValueError: as `restore`.
         """
-        return self.restore(step, model, None, None)
+        return self.restore(step, model, None, None, check_meta=check_meta)
 
     def _unreadable(self, step: int, e: _UnreadableError) -> Unreadable:
         return Unreadable(step=step, path=self.step_path(step), item=e.item, error=_error_summary(e.exc))
@@ -206,7 +219,8 @@ class Checkpointer:
         os.rename(src, dst)
         return dst
 
-    def restore_latest(self, model, optimizer=None, data_iterator=None, *, move_aside: bool = True) -> dict | None:
+    def restore_latest(self, model, optimizer=None, data_iterator=None, *, move_aside: bool = True,
+                       check_meta: Callable[[int, dict], None] | None = None) -> dict | None:
         """Restore the newest checkpoint that reads in full; return its meta, or None if there is none.
 
         Each checkpoint, newest first, is read in full (array metadata, every array, the data-iterator
@@ -219,6 +233,9 @@ class Checkpointer:
           model, optimizer, data_iterator: restored in place; optimizer/data_iterator None = skip them
             (eval and sampling read the model only).
           move_aside: False leaves damaged folders where they are (readers that are not the run's writer).
+          check_meta: called with (step, meta) of each readable checkpoint before its arrays are read; a
+            ValueError it raises refuses the checkpoint and propagates (the trainer refuses another
+            tokenizer this way). Not damage: nothing is moved.
 
         Returns:
           The restored checkpoint's meta dict ({"step", "seed"} from the trainer), or None when the folder
@@ -226,7 +243,8 @@ class Checkpointer:
 
         Raises:
           ValueError: checkpoints exist but none is readable (names the folder and each failure; nothing
-            is moved), or a readable one was written for another model/optimizer structure.
+            is moved), a readable one was written for another model/optimizer structure, or
+            `check_meta` refused it.
         """
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
@@ -235,7 +253,7 @@ class Checkpointer:
         damaged: list[Unreadable] = []
         for step in steps:
             try:
-                restored = self._read(step, *targets, data_iterator)
+                restored = self._read(step, *targets, data_iterator, check_meta)
             except _UnreadableError as e:
                 damaged.append(self._unreadable(step, e))
                 continue

@@ -8,9 +8,12 @@ the model section is nested (model.kda, model.attention, model.residual, model.m
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Mapping
 
 from k3jax.data.corpus import check_source
+from k3jax.data.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from k3jax.data.tokenizer import parse_tokenizer_spec, spec_vocab_size
 from k3jax.models.config import ModelConfig, model_config_from_dict
 
 
@@ -25,12 +28,18 @@ class DataConfig:
       seq_len: tokens per training sequence T.
       batch_size: sequences per step B.
       cache_dir: corpus cache folder ("" = $K3JAX_CACHE or ~/.cache/k3jax).
+      tokenizer: "bytes" (default: UTF-8 bytes + BOS/EOS/PAD, 259 ids) | "bpe:<path to tokenizer.json>"
+        (a Hugging Face `tokenizers` file, read locally) | "train-bpe:<vocab size>" (a byte-level BPE
+        trained on the train split of `source`, cached next to the corpus; deterministic). Checked when
+        built: the form, that a bpe: file exists, that train-bpe has text to train on (not `tokens:`).
+        The model's vocabulary follows it (`RunConfig`). See `k3jax.data.corpus.load_tokenizer`.
     """
 
     source: str = "python-stdlib"
     seq_len: int = 256
     batch_size: int = 16
     cache_dir: str = ""
+    tokenizer: str = "bytes"
 
     def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
@@ -47,6 +56,13 @@ class DataConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be a positive int, got {value!r}")
+        kind, arg = parse_tokenizer_spec(self.tokenizer)  # its ValueError names data.tokenizer
+        if kind == "bpe" and not Path(arg).expanduser().is_file():
+            raise ValueError(f"data.tokenizer: tokenizer file not found: {arg!r} (expected "
+                             "'bpe:<path to a tokenizer.json>')")
+        if kind == "train-bpe" and self.source.startswith("tokens:"):
+            raise ValueError(f"data.tokenizer {self.tokenizer!r} trains on the corpus's text; a tokens: source "
+                             f"has none ({self.source!r}): give the tokenizer that made the stream as bpe:<path>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +79,10 @@ class TrainConfig:
       checkpoint_every: save every N steps (and at the end and on SIGTERM); keep_checkpoints: last K kept.
       max_nonfinite_steps: stop after this many consecutive skipped (non-finite) updates.
       sample_tokens, sample_prompt, sample_temperature: the sample printed at the end (0 tokens = none).
+      loss_chunk_size: tokens per chunk of the LM-head cross-entropy (`k3jax.ops.cross_entropy`: the
+        [tokens, vocab] fp32 logits are never all live). None = automatic: the plain loss below 32768
+        padded ids (bytes, small BPEs: numerically as before), else 2^27 / vocab tokens (4096 at 32k,
+        1024 at 128k); 0 = always the plain loss; N = chunks of N tokens.
     """
 
     steps: int = 1200
@@ -82,6 +102,7 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
+    loss_chunk_size: int | None = None
 
     def __post_init__(self):
         for name in ("steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
@@ -105,6 +126,9 @@ class TrainConfig:
                              f"{self.weight_decay!r}, {self.grad_clip!r}")
         if self.sample_temperature < 0:
             raise ValueError(f"train.sample_temperature must be >= 0, got {self.sample_temperature!r}")
+        if self.loss_chunk_size is not None and (not isinstance(self.loss_chunk_size, int)
+                                                 or isinstance(self.loss_chunk_size, bool) or self.loss_chunk_size < 0):
+            raise ValueError(f"train.loss_chunk_size must be None or an int >= 0, got {self.loss_chunk_size!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +136,12 @@ class RunConfig:
     """Everything one training run needs. `workdir` holds checkpoints, metrics.jsonl and TensorBoard logs.
 
     `seed` (an int in [0, 2**32), the data loader's shuffle-seed range) seeds parameters and data order.
+
+    The model's vocabulary comes from `data.tokenizer` (as torchtitan and flame take it from the
+    tokenizer): a `model.vocab_size` left at the byte default 259 becomes the tokenizer's (bytes: 259;
+    bpe:<path>: the file's vocabulary; train-bpe:<V>: V). An explicit larger one is kept (as MaxText's
+    `vocab_size`, which may exceed the tokenizer's: the extra ids are never targets and never sampled);
+    an explicit smaller one raises.
     """
 
     model: ModelConfig = ModelConfig()
@@ -125,6 +155,13 @@ class RunConfig:
             raise ValueError("workdir must be a non-empty path")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        needed = spec_vocab_size(self.data.tokenizer)
+        if self.model.vocab_size == BYTE_VOCAB_SIZE and needed != BYTE_VOCAB_SIZE:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, vocab_size=needed))
+        elif self.model.vocab_size < needed:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the vocabulary of "
+                             f"data.tokenizer={self.data.tokenizer!r} ({needed} ids); leave model.vocab_size at "
+                             f"its default {BYTE_VOCAB_SIZE} to take the tokenizer's, or set it >= {needed}")
 
 
 def _build(cls, section: str, values: Mapping[str, Any]):

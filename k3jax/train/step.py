@@ -1,11 +1,16 @@
 """Jitted train and eval steps (flax NNX). Loss in nats per predicted token; fp32 cross-entropy.
 
+`loss_chunk_size` (static; 0 = the plain loss on the model's logits) computes the cross-entropy from the
+final hidden states and the head matrix in chunks of that many tokens (`k3jax.ops.cross_entropy`), so the
+[tokens, vocab] fp32 logits are never all live (the model's unused logits are dead code under jit).
+
 The train step also returns where a non-finite value first appeared (one bool per sublayer output and
 per parameter group, names from `finiteness_names`), so that a skipped step can say which layer
 produced it (`nonfinite_report`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,6 +21,7 @@ from flax import nnx
 
 from k3jax.models.config import MIXERS
 from k3jax.models.lm import LanguageModel
+from k3jax.ops.cross_entropy import chunked_cross_entropy
 
 
 def masked_cross_entropy(logits, targets, loss_mask):
@@ -35,10 +41,16 @@ def _all_finite(x) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(x)] or [jnp.bool_(True)]))
 
 
-def _forward_loss(model: LanguageModel, batch, train: bool):
+def _forward_loss(model: LanguageModel, batch, train: bool, loss_chunk_size: int = 0):
     logits, aux, depth = model.forward(batch["inputs"], segment_ids=batch["segment_ids"],
                                        positions=batch["positions"], train=train)
-    nats, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    if loss_chunk_size:
+        hidden, weight = model.head_inputs(depth.hidden)
+        nats, count = chunked_cross_entropy(hidden, weight, batch["targets"], batch["loss_mask"],
+                                            chunk_size=loss_chunk_size, dtype=hidden.dtype)
+        logits = hidden  # the head's probe: its input (the logits are never built)
+    else:
+        nats, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     ce = nats / jnp.maximum(count, 1.0)
     balance = sum((a["loss"] for a in aux["moe"]), jnp.zeros((), jnp.float32))
     loss = ce + balance
@@ -119,9 +131,9 @@ def _moe_layers(model: LanguageModel):
     return [f for f in model.ffns if hasattr(f, "router_bias")]
 
 
-@nnx.jit
-def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
-    """One optimizer step. Returns fp32 metrics: loss (total), ce (nats/token), grad_norm, finite flag,
+@functools.partial(nnx.jit, static_argnames=("loss_chunk_size",))
+def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch, *, loss_chunk_size: int = 0):
+    """One optimizer step (`loss_chunk_size`: the module docstring). Returns fp32 metrics: loss (total), ce (nats/token), grad_norm, finite flag,
     consecutive non-finite count, per-MoE-layer balance statistics, and where non-finite values appeared:
     `finite_activations` bool [2L + 3] and `finite_grads` bool [parameter groups] (names:
     `finiteness_names`; `nonfinite_report` turns them into a line).
@@ -129,7 +141,7 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
     MoE router biases (non-trainable `RouterBias` variables) receive the `next_bias` the layers return,
     only when the step was finite; the optimizer never touches them (it updates `nnx.Param` only).
     """
-    grad_fn = nnx.value_and_grad(lambda m: _forward_loss(m, batch, True), has_aux=True)
+    grad_fn = nnx.value_and_grad(lambda m: _forward_loss(m, batch, True, loss_chunk_size), has_aux=True)
     (loss, (ce, _, _, aux, finite_activations)), grads = grad_fn(model)
     optimizer.update(model, grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
@@ -149,15 +161,27 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch):
     return metrics
 
 
-@nnx.jit
-def eval_step(model: LanguageModel, batch):
-    """Summed nats, predicted-token count and byte-target count on one batch (no state changes)."""
-    _, (_, nats, count, aux, _) = _forward_loss(model, batch, False)
-    is_byte = (batch["targets"] < 256) & batch["loss_mask"]
+@functools.partial(nnx.jit, static_argnames=("loss_chunk_size",))
+def eval_step(model: LanguageModel, batch, byte_lengths=None, *, loss_chunk_size: int = 0):
+    """Summed nats, predicted-token count and the UTF-8 bytes of the predicted targets on one batch (no
+    state changes).
+
+    `byte_lengths`: int32 [>= vocab] bytes each id stands for (`Tokenizer.token_byte_lengths()` padded
+    with zeros); None = byte ids (1 byte for ids < 256, 0 for the specials), the byte tokenizer's.
+    """
+    _, (_, nats, count, aux, _) = _forward_loss(model, batch, False, loss_chunk_size)
+    if byte_lengths is None:
+        nbytes = jnp.sum(((batch["targets"] < 256) & batch["loss_mask"]).astype(jnp.float32))
+    else:
+        per_target = jnp.take(jnp.asarray(byte_lengths, jnp.int32), batch["targets"], mode="clip")
+        nbytes = jnp.sum(jnp.where(batch["loss_mask"], per_target, 0)).astype(jnp.float32)
     loads = [a["stats"]["loads"] for a in aux["moe"] if "loads" in a.get("stats", {})]
-    return {"nats": nats, "count": count, "bytes": jnp.sum(is_byte.astype(jnp.float32)), "loads": loads}
+    return {"nats": nats, "count": count, "bytes": nbytes, "loads": loads}
 
 
 def bits_per_byte(nats: float, num_bytes: float) -> float:
-    """Total nats over every predicted token (bytes and the rare EOS) divided by ln 2 per byte target."""
+    """Total nats over every predicted token (text tokens and the EOS ids, which stand for no byte) divided
+    by ln 2 per UTF-8 byte those targets stand for. The bytes are the text's whatever the tokenizer, so
+    runs with different tokenizers compare (a tokenizer with longer tokens has more nats per token and
+    as many bytes)."""
     return float(nats) / (math.log(2.0) * max(float(num_bytes), 1.0))

@@ -5,10 +5,18 @@ same optimizer state), saves every `checkpoint_every` steps, at the end, and whe
 SIGTERM, then returns a summary dict. A damaged newest checkpoint is moved aside to `<step>.corrupt`
 and the run resumes from the newest readable one, saying so in one warning line
 (`Checkpointer.restore_latest`).
+
+Tokenizer (`data.tokenizer`, `run_tokenizer`): the corpus is encoded with it, packing cuts documents at
+its EOS, evaluation reports nats per token and bits per byte (total nats over the UTF-8 bytes the
+evaluated targets stand for, `Tokenizer.token_byte_lengths`), the sample is decoded with it, and every
+checkpoint's meta records it (`tokenizer_record`: spec, identity, content hash, path, vocabulary); a
+resume, or loading a model to sample, with a tokenizer of another hash is refused with a ValueError
+before any array is read.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -21,13 +29,14 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from k3jax.data.corpus import load_corpus, unigram_entropy_bits
+from k3jax.data.corpus import load_corpus, load_tokenizer, unigram_entropy_bits
 from k3jax.data.pipeline import eval_batches, make_train_loader
-from k3jax.data.tokenizer import ByteTokenizer
+from k3jax.data.tokenizer import ByteTokenizer, Tokenizer
 from k3jax.models.generate import generate
 from k3jax.models.lm import LanguageModel
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.config import RunConfig
+from k3jax.ops.cross_entropy import auto_chunk_size
 from k3jax.train.metrics import MetricsWriter
 from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
 from k3jax.train.step import bits_per_byte, eval_step, nonfinite_report, train_step
@@ -120,53 +129,115 @@ def _versions() -> dict:
             "grain": getattr(grain, "__version__", "?")}
 
 
-def evaluate(model, batches) -> dict:
-    """Validation loss (nats/token), bits-per-byte and MoE loads summed over `batches` (no state change)."""
+def run_tokenizer(cfg: RunConfig) -> Tokenizer:
+    """The tokenizer of `cfg.data.tokenizer` (train-bpe: trained on first use, then read from the cache).
+
+    Raises:
+      ValueError: as `k3jax.data.corpus.load_tokenizer`, or a tokenizer with more ids than
+        `cfg.model.vocab_size` (a trained BPE never has: its vocabulary is at most the V asked for).
+    """
+    tok = load_tokenizer(cfg.data.tokenizer, source=cfg.data.source, cache_dir=cfg.data.cache_dir or None)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} ids, more than "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    return tok
+
+
+def tokenizer_record(cfg: RunConfig, tokenizer: Tokenizer) -> dict:
+    """What checkpoints and the run header record of the run's tokenizer."""
+    return {"spec": cfg.data.tokenizer, "identity": tokenizer.identity, "hash": tokenizer.hash,
+            "path": tokenizer.path, "vocab_size": tokenizer.vocab_size}
+
+
+def tokenizer_check(cfg: RunConfig, tokenizer: Tokenizer, directory: str):
+    """A `check_meta` for `Checkpointer`: refuses a checkpoint written with a tokenizer of another hash
+    (checkpoints from before tokenizers were recorded count as bytes)."""
+    record = tokenizer_record(cfg, tokenizer)
+
+    def check(step: int, meta: dict) -> None:
+        stored = meta.get("tokenizer") or {"spec": "bytes", "identity": ByteTokenizer.identity,
+                                            "hash": ByteTokenizer().hash}
+        if stored.get("hash") != record["hash"]:
+            raise ValueError(
+                f"checkpoint step {step} under {directory} was written with tokenizer {stored.get('identity')!r} "
+                f"(data.tokenizer={stored.get('spec')!r}, hash {stored.get('hash')}); this run's data.tokenizer="
+                f"{record['spec']!r} is {record['identity']!r} (hash {record['hash']}). Ids mean other text under "
+                "another tokenizer: resume with the checkpoint's data.tokenizer or use a new workdir")
+    return check
+
+
+def byte_lengths_table(cfg: RunConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """int32 [padded vocab]: the tokenizer's `token_byte_lengths()`, zeros past its ids (eval's bytes)."""
+    table = np.zeros(cfg.model.padded_vocab_size, np.int32)
+    lengths = tokenizer.token_byte_lengths()
+    table[:lengths.shape[0]] = lengths
+    return table
+
+
+def loss_chunk_size(cfg: RunConfig) -> int:
+    """`train.loss_chunk_size` resolved: None -> `k3jax.ops.cross_entropy.auto_chunk_size` (0 = plain)."""
+    if cfg.train.loss_chunk_size is None:
+        return auto_chunk_size(cfg.model.padded_vocab_size)
+    return cfg.train.loss_chunk_size
+
+
+def evaluate(model, batches, byte_lengths=None, *, loss_chunk_size: int = 0) -> dict:
+    """Validation nats per token (`val_loss`), bits per byte (`val_bpb`: total nats / ln 2 / the UTF-8
+    bytes of the evaluated targets), bytes per token and MoE loads, summed over `batches` (no state
+    change). `byte_lengths`: as `k3jax.train.step.eval_step` (None = byte ids)."""
     nats = count = nbytes = 0.0
     loads = None
+    lengths = None if byte_lengths is None else jnp.asarray(byte_lengths, jnp.int32)
     for batch in batches:
-        out = eval_step(model, {k: jnp.asarray(v) for k, v in batch.items()})
+        out = eval_step(model, {k: jnp.asarray(v) for k, v in batch.items()}, lengths,
+                        loss_chunk_size=loss_chunk_size)
         nats, count, nbytes = nats + float(out["nats"]), count + float(out["count"]), nbytes + float(out["bytes"])
         if out["loads"]:
             layer_loads = np.stack([np.asarray(x) for x in out["loads"]])
             loads = layer_loads if loads is None else loads + layer_loads
-    result = {"val_loss": nats / max(count, 1.0), "val_bpb": bits_per_byte(nats, nbytes)}
+    result = {"val_loss": nats / max(count, 1.0), "val_bpb": bits_per_byte(nats, nbytes),
+              "val_bytes_per_token": nbytes / max(count, 1.0)}
     if loads is not None:
         mean = loads.mean(axis=-1, keepdims=True)
         result["val_max_vio_global"] = float(np.mean((loads.max(-1, keepdims=True) - mean) / np.maximum(mean, 1e-9)))
     return result
 
 
-def sample_text(model, cfg: RunConfig, *, seed: int) -> str:
-    """Decode `cfg.train.sample_tokens` tokens after `cfg.train.sample_prompt` with the model's caches."""
-    tok = ByteTokenizer()
+def sample_text(model, cfg: RunConfig, *, seed: int, tokenizer: Tokenizer | None = None) -> str:
+    """Decode `cfg.train.sample_tokens` tokens after `cfg.train.sample_prompt` with the model's caches,
+    encoded and decoded with `tokenizer` (default: `run_tokenizer(cfg)`); ids past its vocabulary are
+    never sampled."""
+    tok = tokenizer if tokenizer is not None else run_tokenizer(cfg)
     prompt = tok.encode(cfg.train.sample_prompt or "\n")[None]
     out = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, rng=jax.random.key(seed),
-                   temperature=cfg.train.sample_temperature, top_k=0)
+                   temperature=cfg.train.sample_temperature, top_k=0, vocab_size=tok.vocab_size)
     return tok.decode(np.asarray(out[0]))
 
 
-def load_trained_model(cfg: RunConfig, *, step: int | None = None) -> tuple[LanguageModel, int]:
+def load_trained_model(cfg: RunConfig, *, step: int | None = None,
+                       tokenizer: Tokenizer | None = None) -> tuple[LanguageModel, int]:
     """The model of `cfg.workdir`'s checkpoint `step` (default: the newest readable one) and that step.
 
     With `step=None` a damaged newest checkpoint is skipped with a warning line and left in place (the
-    training run moves it aside when it resumes).
+    training run moves it aside when it resumes). With `tokenizer`, a checkpoint written with another
+    tokenizer is refused (`tokenizer_check`).
 
     Raises:
       FileNotFoundError: when the workdir holds no checkpoint.
-      ValueError: the checkpoint (or, with step=None, every checkpoint) cannot be read, or it was
-        written for another model config.
+      ValueError: the checkpoint (or, with step=None, every checkpoint) cannot be read, it was
+        written for another model config, or with another tokenizer than `tokenizer`.
     """
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    check = None if tokenizer is None else tokenizer_check(cfg, tokenizer, ckpt.directory)
     try:
         if step is None:
-            meta = ckpt.restore_latest(model, move_aside=False)
+            meta = ckpt.restore_latest(model, move_aside=False, check_meta=check)
             if meta is None:
                 raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
             step = int(meta["step"])
         else:
-            ckpt.restore_model(step, model)
+            ckpt.restore_model(step, model, check_meta=check)
     finally:
         ckpt.close()
     return model, step
@@ -194,26 +265,37 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
       NonFiniteError: after `cfg.train.max_nonfinite_steps` consecutive non-finite steps (a checkpoint
         of the last good state is written first, at the step the loop reached, which may be the one
         after the message's step; the message names the layer as above).
-      ValueError: the workdir holds checkpoints but none is readable, or they were written for another
-        model/optimizer config (`Checkpointer.restore_latest`).
+      ValueError: the workdir holds checkpoints but none is readable, they were written for another
+        model/optimizer config (`Checkpointer.restore_latest`), or with another tokenizer
+        (`tokenizer_check`); a tokenizer that cannot be loaded (`run_tokenizer`).
     """
     t_start = time.time()
     cache_dir = cfg.data.cache_dir or None
-    train_corpus = load_corpus(cfg.data.source, "train", cache_dir=cache_dir)
-    val_corpus = load_corpus(cfg.data.source, "validation", cache_dir=cache_dir)
+    tokenizer = run_tokenizer(cfg)
+    # A tokens: stream may use a declared vocabulary larger than the tokenizer's (model.vocab_size).
+    declared = (cfg.model.vocab_size if cfg.data.source.startswith("tokens:")
+                and cfg.model.vocab_size > tokenizer.vocab_size else None)
+    train_corpus = load_corpus(cfg.data.source, "train", cache_dir=cache_dir, tokenizer=tokenizer, vocab_size=declared)
+    val_corpus = load_corpus(cfg.data.source, "validation", cache_dir=cache_dir, tokenizer=tokenizer,
+                             vocab_size=declared)
     if val_corpus.num_tokens <= cfg.data.seq_len:
         val_corpus = train_corpus  # tiny corpora: evaluate on the head of the train stream
         log.warning("validation split shorter than one sequence; evaluating on training data")
-    entropy = unigram_entropy_bits(train_corpus.tokens)
+    is_bytes = tokenizer.identity == ByteTokenizer.identity
+    byte_lengths = byte_lengths_table(cfg, tokenizer)
+    entropy = unigram_entropy_bits(train_corpus.tokens, None if is_bytes else byte_lengths)
+    chunk = loss_chunk_size(cfg)
 
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg.train), wrt=nnx.Param)
     data_iter = make_train_loader(train_corpus.tokens, batch_size=cfg.data.batch_size,
-                                  seq_len=cfg.data.seq_len, seed=cfg.seed)
+                                  seq_len=cfg.data.seq_len, seed=cfg.seed, eos_id=tokenizer.eos_id)
     val_batches = eval_batches(val_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                               max_batches=cfg.train.eval_batches)
+                               max_batches=cfg.train.eval_batches, eos_id=tokenizer.eos_id)
+    step_fn = functools.partial(train_step, loss_chunk_size=chunk) if chunk else train_step
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
-    meta = ckpt.restore_latest(model, optimizer, data_iter)  # None: a fresh run
+    # None: a fresh run; a checkpoint of another tokenizer is refused before any array is read
+    meta = ckpt.restore_latest(model, optimizer, data_iter, check_meta=tokenizer_check(cfg, tokenizer, ckpt.directory))
     latest = None if meta is None else int(meta["step"])
     start_step = latest or 0
     writer = MetricsWriter(cfg.workdir, resume_step=start_step if latest is not None else None)
@@ -223,11 +305,18 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
               "train_tokens": train_corpus.num_tokens, "val_tokens": val_corpus.num_tokens,
               "unigram_entropy_bits": entropy, "resumed_from_step": start_step if latest is not None else None,
               "config": dataclasses.asdict(cfg)}
+    header.update(tokenizer=tokenizer_record(cfg, tokenizer), loss_chunk_size=chunk)
     print("k3jax run\n" + json.dumps(header, indent=1, default=str), flush=True)
     with open(f"{cfg.workdir}/run_header.json", "w") as f:
         json.dump(header, f, indent=1, default=str)
-    print(f"corpus unigram byte entropy: {entropy:.3f} bits/byte (a model must beat this to have learned "
-          "more than byte frequencies)", flush=True)
+    if is_bytes:
+        print(f"corpus unigram byte entropy: {entropy:.3f} bits/byte (a model must beat this to have learned "
+              "more than byte frequencies)", flush=True)
+    else:
+        print(f"corpus unigram token entropy: {entropy:.3f} bits/byte ({tokenizer.identity}, "
+              f"{tokenizer.vocab_size} ids; a model must beat this to have learned more than token frequencies)",
+              flush=True)
+    ckpt_meta = {"seed": cfg.seed, "tokenizer": tokenizer_record(cfg, tokenizer)}
 
     schedule = learning_rate_schedule(cfg.train)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -256,7 +345,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
                             done, float(metrics["loss"]), float(metrics["grad_norm"]),
                             int(metrics["nonfinite_count"]), where)
                 if stop:  # the state holds `step` updates (the one dispatched after `done` included)
-                    ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                    ckpt.save(step, model, optimizer, data_iter, {"step": step, **ckpt_meta})
                     raise NonFiniteError(f"{cfg.train.max_nonfinite_steps} consecutive non-finite steps at step "
                                          f"{done}: {where}")
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
@@ -272,7 +361,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
         while step < cfg.train.steps:
             clock.dispatched()
             step += 1
-            pending.append((step, train_step(model, optimizer, batch)))  # async: no host sync on this step
+            pending.append((step, step_fn(model, optimizer, batch)))  # async: no host sync on this step
             # the previous step's metrics, read while this one runs; the process's first step (compilation)
             # is read at once: it starts the time budget
             flush(step if step == start_step + 1 else step - 1)
@@ -286,13 +375,13 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
             if evaluate_now or save_now:  # eval and checkpoints see the state after this step
                 metrics = flush(step)
                 if evaluate_now:
-                    ev = evaluate(model, val_batches)
+                    ev = evaluate(model, val_batches, None if is_bytes else byte_lengths, loss_chunk_size=chunk)
                     writer.write(step, ev)
                     bar.write(f"step {step}: train ce {float(metrics['ce']):.4f} | val loss {ev['val_loss']:.4f} "
-                              f"nats | val {ev['val_bpb']:.4f} bits/byte | {clock.tokens_per_s:,.0f} tok/s")
+                              f"nats/token | val {ev['val_bpb']:.4f} bits/byte | {clock.tokens_per_s:,.0f} tok/s")
                     summary.update(ev)
                 if save_now:
-                    ckpt.save(step, model, optimizer, data_iter, {"step": step, "seed": cfg.seed})
+                    ckpt.save(step, model, optimizer, data_iter, {"step": step, **ckpt_meta})
                 clock.paused()
             if sigterm.received:
                 stopped_by_signal = True
@@ -304,9 +393,10 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
     bar.close()
     summary.update(step=step, tokens_per_s=clock.tokens_per_s, stopped_by_signal=stopped_by_signal)
     if not stopped_by_signal and cfg.train.sample_tokens:
-        summary["sample"] = sample_text(model, cfg, seed=cfg.seed)
-        print("\n--- sample (prompt + {} sampled bytes, temperature {}) ---\n{}\n---".format(
-            cfg.train.sample_tokens, cfg.train.sample_temperature, summary["sample"]), flush=True)
+        summary["sample"] = sample_text(model, cfg, seed=cfg.seed, tokenizer=tokenizer)
+        print("\n--- sample (prompt + {} sampled {}, temperature {}) ---\n{}\n---".format(
+            cfg.train.sample_tokens, "bytes" if is_bytes else "tokens", cfg.train.sample_temperature,
+            summary["sample"]), flush=True)
     summary["wall_seconds"] = time.time() - t_start
     writer.close()
     ckpt.close()
