@@ -73,6 +73,8 @@ def test_script_runs_at_a_tiny_size(name, tmp_path):
     for rel in outputs:
         path = tmp_path / rel
         assert path.exists() and path.stat().st_size > 0, (rel, sorted(p.name for p in tmp_path.rglob("*")))
-    if name == "train":  # the checkpoint it wrote samples
+    if name == "train":  # the checkpoint it wrote samples and evaluates
         proc = _run("generate", ["--workdir={out}/run", "--max_tokens=4", "--prompt=a"], str(tmp_path))
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
+        proc = _run("eval_runs", ["--workdirs={out}/run", "--max_batches=2", "--out={out}/eval"], str(tmp_path))
+        assert proc.returncode == 0 and (tmp_path / "eval.md").stat().st_size > 0, proc.stderr[-3000:]
