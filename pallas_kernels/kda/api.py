@@ -121,7 +121,7 @@ def _intra_fwd(plan: Plan, q, k, v, G, beta, rel, *, scale, interpret, save_solv
     """(qg, kd, w, u, aqk, gl) + (A, M) with save_solve."""
     if plan.intra_fwd == "mosaic_gpu":
         return mgpu.intra_fwd(q, k, v, G, beta, scale=scale, centre=plan.centre, save_solve=save_solve,
-                              interpret=interpret)
+                              segments=rel, interpret=interpret)
     qg, kd, w, u, aqk, gl, A, *M = triton.intra_fwd(
         q, k, v, G, beta, scale=scale, centre=plan.centre, unbounded=plan.unbounded, segments=rel,
         save_solve=save_solve, num_warps=plan.tuning.intra_warps, interpret=interpret)
@@ -193,7 +193,8 @@ def _core_bwd(plan, scale, interpret, res, cts):
     du, dh, dh0 = _state_bwd(plan, qg, kd, w, aqk, gl, do, dht, interpret=interpret)
     tu = plan.tuning
     if plan.solve_bwd == "mosaic_gpu":
-        parts = mgpu.solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, scale=scale, interpret=interpret)
+        parts = mgpu.solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, scale=scale, segments=rel,
+                               interpret=interpret)
     else:
         parts = triton.solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, scale=scale, segments=rel,
                                  num_warps=tu.intra_warps, interpret=interpret)

@@ -44,6 +44,63 @@ def load(ref, layout=WG, smem=False):
     return plgpu.load(ref, layout=layout, optimized=smem).astype(F32)
 
 
+def segment_masks(rel):
+    """The Mosaic GPU kernels' document input from rel [B, T] int32 (api.document_offsets): seg
+    [4, B, T] fp32 (small integers, exact), per token i of a chunk: rel_i twice (read in the ROW and
+    in the COL layout: two identical loads would be merged into one value, whose two layouts layout
+    inference cannot satisfy); in_last_i (1 where rel_i = rel of the chunk's last token, else 0);
+    carry (1 where that last rel is 0, else 0: the same for the chunk's 64 tokens). The masks of
+    triton/common.Segments without in-kernel reductions."""
+    B, T = rel.shape
+    if T % CHUNK:
+        raise ValueError(f"segments' T = {T} must be a multiple of {CHUNK}")
+    rel = rel.astype(jnp.int32)
+    last = jnp.repeat(rel[:, CHUNK - 1::CHUNK], CHUNK, axis=1)              # [B, T]
+    return jnp.stack([rel, rel, rel == last, last == 0]).astype(F32)
+
+
+class Segments:
+    """Document masks of one chunk inside a Mosaic GPU kernel (packed sequences, segment_ids), as
+    triton/common.Segments: same [C, C] (rel_i == rel_j: the score tiles M, Aqk and their
+    gradients), row_in (rel_i == 0: Qg, X and their gradients), in_last (rel_i == rel_last: Kd, dKd)
+    per row, carry (rel_last == 0: e^{G_last} and its gradient) per column. Built where used, each
+    from a direct load of seg (segment_masks; a [C] vector in the ROW or COL layout of the WGMMA
+    tile it masks: 2 resp. 16 registers a thread), so that no mask lives across the kernel."""
+
+    def __init__(self, seg_ref, b, rows):
+        self.ref, self.b, self.rows = seg_ref, b, rows
+
+    def _vec(self, i, layout):
+        return load(self.ref.at[i, self.b, self.rows], layout)
+
+    def _rows(self, i, shape):           # seg[i] along the rows of a [C, n] WGMMA tile
+        return plgpu.layout_cast(jnp.broadcast_to(self._vec(i, ROW)[:, None], shape), WG)
+
+    def same(self):
+        """[C, C] in the WGMMA layout."""
+        C = CHUNK
+        cols = plgpu.layout_cast(jnp.broadcast_to(self._vec(1, COL)[None, :], (C, C)), WG)
+        return self._rows(0, (C, C)) == cols
+
+    def row_in(self, shape):
+        """[C, n] in the WGMMA layout."""
+        return self._rows(0, shape) == 0.0
+
+    def in_last(self, shape):
+        """[C, n] in the WGMMA layout."""
+        return self._rows(2, shape) != 0.0
+
+    def carry(self):
+        """[C] in the COL layout (the same value in every entry; C = HALF columns)."""
+        return self._vec(3, COL) != 0.0
+
+
+def keep(x, seg, mask: str, *args):
+    """x where seg.<mask>(*args) else 0 (a select) when seg is given; x itself when seg is None (the
+    dense kernels trace exactly as without documents)."""
+    return x if seg is None else jnp.where(getattr(seg, mask)(*args), x, 0.0)
+
+
 def split_bf16(x, hi_s, lo_s):
     """x fp32 -> hi = bf16(x), lo = bf16(x - hi) into two operand buffers (split-bf16 operands)."""
     hi = x.astype(BF16)

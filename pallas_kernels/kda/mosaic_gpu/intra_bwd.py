@@ -1,7 +1,8 @@
 """The intra-chunk backward's first half on Hopper (Mosaic GPU): state products, W / U and solve backward.
 
 One warpgroup per (batch x head, chunk of 64 tokens), bounded or unbounded gates (it forms no
-e^{anc - G}), no segment_ids. The math and bf16 operand rounding of triton/intra_bwd.py's
+e^{anc - G}), packed documents optional (segments: a static option; without it the kernel traces
+as before). The math, document selects and bf16 operand rounding of triton/intra_bwd.py's
 solve_bwd, whose outputs the Triton score_bwd consumes. Per chunk, from the saved transposed states
 St = S^T, dSt = dS^T [V, K] (bf16), dO [C, V], dU = dV' [C, V] and the forward's W, U, A, M:
   V' = U - W S;  dAqk = dO V'^T;  dKd = V' dS^T;  dQg = dO S^T;  dW = -dU S^T;  dX = A^T dW;
@@ -25,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu.common import (BF16, CHUNK, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, check_dtypes,
-                                                  check_shapes, interpret_params, iota, load, operand, split_bf16,
-                                                  staging)
+from pallas_kernels.kda.mosaic_gpu.common import (BF16, CHUNK, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, Segments,
+                                                  check_dtypes, check_shapes, interpret_params, iota, keep, load,
+                                                  operand, segment_masks, split_bf16, staging)
 
 
 def _lower(n, strict=False):
@@ -37,9 +38,10 @@ def _lower(n, strict=False):
     return r > c if strict else r >= c
 
 
-def _dl(dA, a_hi, a_lo, t_hi, t_lo):
+def _dl(dA, a_hi, a_lo, t_hi, t_lo, seg=None):
     """dL = -A^T dA A^T on the strict lower triangle (dA masked to rows >= cols first), both products
-    with split-bf16 operands (hi hi + hi lo + lo hi); t_hi, t_lo: two free [C, C] operand buffers."""
+    with split-bf16 operands (hi hi + hi lo + lo hi); t_hi, t_lo: two free [C, C] operand buffers;
+    seg: Segments or None (documents: dL on same-document pairs only, in the same select)."""
     split_bf16(jnp.where(_lower(dA.shape[0]), dA, 0.0), t_hi, t_lo)
     plgpu.commit_smem()
 
@@ -58,7 +60,9 @@ def _dl(dA, a_hi, a_lo, t_hi, t_lo):
         plgpu.wgmma(acc, t_hi, a_lo.T)
         plgpu.wgmma(acc, t_lo, a_hi.T)
         return acc[...]
-    return jnp.where(_lower(dA.shape[0], strict=True), -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
+    support = _lower(dA.shape[0], strict=True)
+    support = support if seg is None else support & seg.same()
+    return jnp.where(support, -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
 
 
 def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
@@ -81,7 +85,7 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
     return B, T, H, K, V, NT
 
 
-def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
+def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segments=None,
               interpret: bool | plgpu.InterpretGPUParams = False):
     """The state products and the W / U / (I + L)^-1 backward on Hopper (module docstring); chunk 64.
 
@@ -91,23 +95,32 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
       du: [B, H, T, V] fp32 (dV' of the reverse state pass); h, dh: [B, H, T / 64, V, K] bf16, the
         transposed state entering each chunk and the transposed gradient of the state after it.
       w: [B, H, T, K] bf16, u: [B, H, T, V] fp32 (the forward's W, U); A, M: [B, H, T, 64] fp32.
-      scale: the query scale; interpret: as state_fwd.
+      scale: the query scale; segments: None or rel [B, T] int32 (the forward's): packed documents,
+        the selects of triton/intra_bwd.py's solve_bwd (dQg, X and dX on the rows of the incoming
+        state's document, dKd on the last document's, d e^{G_last} only without a start, dAqk and
+        dL on same-document pairs); None traces the dense kernel unchanged; interpret: as state_fwd.
     Returns (as triton.intra_bwd.solve_bwd): dv [B, T, H, V] bf16 and dbeta [B, T, H] fp32 (final);
       head-major fp32 partial dq, dk, dG [B, H, T, K], dG_last [B, H, T / 64, K] and the score
       gradients dM, dAqk [B, H, T, 64].
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes or shapes.
     """
     B, T, H, K, V, NT = _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M)
+    segmented = segments is not None
+    if segmented:
+        check_shapes(dict(segments=segments), dict(segments=(B, T)), f"q {q.shape} (B, T, H, K)")
     C, KH, BH = CHUNK, K // HALF, B * H
 
     def body(q_ref, k_ref, v_ref, G_ref, beta_ref, do_ref, du_ref, h_ref, dh_ref, w_ref, u_ref, A_ref,
-             M_ref, dv_ref, dbeta_ref, dq_ref, dk_ref, dg_ref, dgl_ref, dm_ref, daqk_ref,
-             w_s, du_s, vp_s, x_s, a_hi, a_lo, states, staged, *bars):
+             M_ref, *rest):
+        seg_ref, rest = (rest[0], rest[1:]) if segmented else (None, rest)
+        (dv_ref, dbeta_ref, dq_ref, dk_ref, dg_ref, dgl_ref, dm_ref, daqk_ref,
+         w_s, du_s, vp_s, x_s, a_hi, a_lo, states, staged, *bars) = rest
         (h_s, dh_s, do_s), (t_hi, t_lo, v_in, m_in) = states
         (u_in,), (du_in, a_in), (g_in, q_in, k_in) = staged
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
+        seg = None if seg_ref is None else Segments(seg_ref, b, rows)     # documents: selects
         halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
 
         def fetch(phase, copies):         # phases 1-4; one barrier per phase, each used once per CTA
@@ -141,7 +154,8 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         def daqk_dot(acc):                                # dO V'^T
             plgpu.wgmma(acc, do_s, vp_s.T)
             return acc[...]
-        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C), pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
+        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) if seg is None else _lower(C) & seg.same(),
+                                               pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
         arrived(2)
         du_s[...] = load(du_in).astype(BF16)
         split_bf16(load(a_in), a_hi, a_lo)
@@ -163,13 +177,13 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             # that followed vp_s's store
             w_s.at[kh][...] = (-pl.run_scoped(dw_dot, plgpu.ACC((C, HALF), F32))).astype(BF16)
             eg = jnp.exp(load(g_in.at[kh]))
-            x_s.at[kh][...] = (beta_c * eg * load(k_in.at[kh], smem=True)).astype(BF16)
+            x_s.at[kh][...] = keep(beta_c * eg * load(k_in.at[kh], smem=True), seg, "row_in", (C, HALF)).astype(BF16)
             plgpu.commit_smem()
 
             def dx_dot(acc):                              # A^T dW on this half
                 plgpu.wgmma(acc, a_hi.T, w_s.at[kh])
                 return acc[...]
-            egdx = eg * pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32))
+            egdx = eg * keep(pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF))
             dk_x = beta_c * egdx                          # dX's share of dk
             kdx = load(k_in.at[kh], smem=True) * egdx
             dbeta = dbeta + jnp.sum(kdx, axis=1)
@@ -178,7 +192,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
             def qg_dot(acc):                              # dO S^T on this half
                 plgpu.wgmma(acc, do_s, h_s.at[kh])
                 return acc[...]
-            dq = scale * eg * pl.run_scoped(qg_dot, plgpu.ACC((C, HALF), F32))
+            dq = scale * eg * keep(pl.run_scoped(qg_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF))
             dq_ref.at[bh, rows, cols][...] = dq
             dG = dG + load(q_in.at[kh], smem=True) * dq
 
@@ -187,13 +201,14 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
                 return acc[...]
             g_h = load(g_in.at[kh])
             gl_v = jnp.sum(jnp.where(iota((C, HALF), 0) == C - 1, g_h, 0.0), axis=0)   # G's last row
-            dk = jnp.exp(gl_v[None, :] - g_h) * pl.run_scoped(kd_dot, plgpu.ACC((C, HALF), F32))
+            dk = jnp.exp(gl_v[None, :] - g_h) * keep(pl.run_scoped(kd_dot, plgpu.ACC((C, HALF), F32)), seg, "in_last",
+                                                     (C, HALF))
             t = load(k_in.at[kh], smem=True) * dk
             dg_ref.at[bh, rows, cols][...] = dG - t
             dk_ref.at[bh, rows, cols][...] = dk + dk_x
             sts = sum(jnp.sum(load(h_s.at[kh, pl.ds(i * C, C)], smem=True)
                               * load(dh_s.at[kh, pl.ds(i * C, C)], smem=True), axis=0) for i in range(V // C))
-            dgl_ref.at[bh, c, cols][...] = jnp.exp(gl_v) * sts + jnp.sum(t, axis=0)
+            dgl_ref.at[bh, c, cols][...] = jnp.exp(gl_v) * keep(sts, seg, "carry") + jnp.sum(t, axis=0)
             return dbeta
         dbeta = lax.fori_loop(0, KH, half_step, jnp.zeros((C,), F32))
         plgpu.commit_smem()                               # every read of h_s, dh_s, do_s is done
@@ -215,7 +230,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
         dv_ref.at[b, rows, hh][...] = (beta_c * dy).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(load(v_in, smem=True) * dy, axis=1)
 
-        dL = _dl(dA, a_hi, a_lo, t_hi, t_lo)
+        dL = _dl(dA, a_hi, a_lo, t_hi, t_lo, seg)
         dbeta = dbeta + jnp.sum(dL * load(m_in), axis=1)
         dm_ref.at[bh, rows][...] = beta_c * dL
         dbeta_ref.at[bh, rows][...] = dbeta
@@ -243,7 +258,8 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float,
     flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731  (free: leading dims merged)
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
     dv, dbeta, dq, dk, dg, dgl, dm, daqk = kernel(
-        q, k, v, G, beta_hm, do, flat(du), flat(h), flat(dh), flat(w), flat(u), flat(A), flat(M))
+        q, k, v, G, beta_hm, do, flat(du), flat(h), flat(dh), flat(w), flat(u), flat(A), flat(M),
+        *([segment_masks(segments)] if segmented else []))
     hm = lambda x: x.reshape(B, H, *x.shape[1:])   # noqa: E731
     return (dv, jnp.swapaxes(dbeta.reshape(B, H, T), 1, 2), hm(dq), hm(dk), hm(dg), hm(dgl), hm(dm),
             hm(daqk))

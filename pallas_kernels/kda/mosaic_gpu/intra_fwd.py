@@ -8,6 +8,10 @@ One warpgroup per (batch x head, chunk of 64 tokens); bounded gates only (every 
   A    = (I + beta M)^-1 (recursive blocked substitution, D <- D - (D Loff_s) D, s = 2 .. 32),
   W = A (beta e^G k) (stored bf16),  U = A (beta v),  qg = scale q e^G,  kd = k e^{G_last - G},
   gl = e^{G_last}.
+Packed documents (segments: rel, a static option; without it the kernel traces as before): the
+selects of triton/intra_fwd.py, M and Aqk on same-document pairs (rel along the rows and the
+columns of the [64, 64] accumulator, as the causal iota mask), qg and X on rows of the incoming
+state's document, kd on the last document's rows, gl zero when the chunk holds a start.
 Each score product is a wgmma [64, K] x [K, 64] (both factors within e^{+-40} on the tile), each
 solve product [64, 64] x [64, 64], W / U [64, 64] x [64, 64] per half; the four row blocks and the
 five solve levels are loops (one traced body each, for the instruction cache), one pair of
@@ -26,14 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
-                                                  check_qk, check_shapes, interpret_params, iota, load, operand,
-                                                  staging)
+                                                  Segments, check_qk, check_shapes, interpret_params, iota, keep,
+                                                  load, operand, segment_masks, staging)
 
 NB = CHUNK // BT
 LEVELS = 5                 # solve merges: blocks of 2 -> 4 -> .. -> 64
 
 
-def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool = False,
+def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool = False, segments=None,
               interpret: bool | plgpu.InterpretGPUParams = False):
     """The chunk factors of the forward on Hopper (module docstring); chunk 64, bounded gates.
 
@@ -41,13 +45,18 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
       q, k: [B, T, H, K] bf16; v: [B, T, H, V] bf16 (K, V in HEAD_DIMS); G: [B, T, H, K] fp32, the
         chunk-local inclusive cumsum of g (nats); beta: [B, T, H] float; scale: the query scale;
       centre: the centre exponent s of the diagonal tiles' factors (plan.centre_exponent);
-      save_solve: also return A and M (the backward's); interpret: as state_fwd.
+      save_solve: also return A and M (the backward's); segments: None or rel [B, T] int32
+        (api.document_offsets): packed documents, the selects of triton/intra_fwd.py (Segments: M
+        and Aqk keep same-document pairs, qg and X the rows of the incoming state's document, kd
+        the rows of the last document, gl only chunks without a start); None traces the dense
+        kernel unchanged; interpret: as state_fwd.
     Returns: qg, kd [B, H, T, K] bf16; w [B, H, T, K] bf16; u [B, H, T, V] fp32; aqk [B, H, T, 64]
       bf16 (lower-triangular per chunk); gl [B, H, T / 64, K] fp32 (e^{G_last}); with save_solve
       also A = (I + beta M)^-1 and M (strictly lower, beta-free), [B, H, T, 64] fp32.
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, q / k / v not bf16, G
       not fp32, beta not a float array, or shapes that do not match.
     """
+    segmented = segments is not None
     B, T, H, K = check_qk(q, k)
     if G.dtype != F32:
         raise ValueError(f"G must be fp32 (the chunk cumsum of g); got {G.dtype=}")
@@ -56,14 +65,16 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
     if v.dtype != BF16 or v.ndim != 4 or v.shape[:3] != q.shape[:3] or v.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"v must be bf16 [B, T, H, V] with (B, T, H) = {q.shape[:3]} and V in {HEAD_DIMS}; "
                          f"got {v.dtype=} {v.shape=}")
-    check_shapes(dict(k=k, G=G, beta=beta), dict(k=(B, T, H, K), G=(B, T, H, K), beta=(B, T, H)),
-                 f"q {q.shape} (B, T, H, K)")
+    check_shapes(dict(k=k, G=G, beta=beta) | (dict(segments=segments) if segmented else {}),
+                 dict(k=(B, T, H, K), G=(B, T, H, K), beta=(B, T, H), segments=(B, T)), f"q {q.shape} (B, T, H, K)")
     C, KH, BH, NT = CHUNK, K // HALF, B * H, T // CHUNK
     V = v.shape[-1]
     VH = V // HALF
     c_hi, c_lo = 2.0 ** int(centre), 2.0 ** -int(centre)
 
-    def body(q_ref, k_ref, v_ref, G_ref, beta_ref, qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *rest):
+    def body(q_ref, k_ref, v_ref, G_ref, beta_ref, *rest):
+        seg_ref, rest = (rest[0], rest[1:]) if segmented else (None, rest)
+        qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *rest = rest
         a_ref, m_ref = (rest[0], rest[1]) if save_solve else (None, None)
         k_in, anc_s, first, second, bar, bar_v = rest[-6:]
         q_in, bk_s = first                   # q, then the column operand, then X (x_s = bk_s)
@@ -72,6 +83,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
+        seg = None if seg_ref is None else Segments(seg_ref, b, rows)     # documents: selects
         halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
         for kh in range(KH):
             for src, dst in ((q_ref, q_in), (k_ref, k_in), (G_ref, g_in)):
@@ -96,9 +108,10 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
             ak_s.at[kh][...] = (kf * ea).astype(BF16)
             aq_s.at[kh][...] = (scale * qf * ea).astype(BF16)
             gl = load(anc_s.at[NB - 1, halves[kh]], COL)
-            qg_ref.at[bh, rows, halves[kh]][...] = (scale * qf * jnp.exp(g)).astype(BF16)
-            kd_ref.at[bh, rows, halves[kh]][...] = (kf * jnp.exp(gl[None, :] - g)).astype(BF16)
-            gl_ref.at[bh, c, halves[kh]][...] = jnp.exp(gl)
+            qg_ref.at[bh, rows, halves[kh]][...] = keep(scale * qf * jnp.exp(g), seg, "row_in", g.shape).astype(BF16)
+            kd_ref.at[bh, rows, halves[kh]][...] = keep(kf * jnp.exp(gl[None, :] - g), seg, "in_last",
+                                                        g.shape).astype(BF16)
+            gl_ref.at[bh, c, halves[kh]][...] = keep(jnp.exp(gl), seg, "carry")
         plgpu.commit_smem()                  # ak, aq written; every read of q_in (bk_s's memory) done
 
         rb = iota((C, C), 0) >> 4
@@ -125,13 +138,19 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         m, aqk = lax.fori_loop(0, NB, score_step, (zero, zero))
         # (the last step's fence: the solve's buffers, g_in / ak_s / aq_s's memory, are free)
         for kh in range(KH):                 # X = beta e^G k into the column operand's memory
-            x_s.at[kh][...] = (beta_c * jnp.exp(load(g_in.at[kh])) * load(k_in.at[kh], smem=True)).astype(BF16)
+            x_s.at[kh][...] = keep(beta_c * jnp.exp(load(g_in.at[kh])) * load(k_in.at[kh], smem=True), seg, "row_in",
+                                   (C, HALF)).astype(BF16)
         plgpu.commit_smem()                  # every read of g_in done; X fenced
         for vh in range(VH):                 # v into the second union while the solve runs
             plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(vh * HALF, HALF)], v_s.at[vh], bar_v)
         ri, ci = iota((C, C), 0), iota((C, C), 1)
-        aqk_ref.at[bh, rows][...] = jnp.where(ri >= ci, aqk, 0.0).astype(BF16)
-        m = jnp.where(ri > ci, m, 0.0)
+        if seg is None:
+            aqk_ref.at[bh, rows][...] = jnp.where(ri >= ci, aqk, 0.0).astype(BF16)
+            m = jnp.where(ri > ci, m, 0.0)
+        else:                                # same-document pairs only (one mask for both)
+            same = seg.same()
+            aqk_ref.at[bh, rows][...] = jnp.where((ri >= ci) & same, aqk, 0.0).astype(BF16)
+            m = jnp.where((ri > ci) & same, m, 0.0)
         if save_solve:
             m_ref.at[bh, rows][...] = m
         L = beta_c * m
@@ -195,5 +214,5 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
         interpret=interpret_params(interpret), kernel_name="kda_intra_fwd_mgpu")
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
-    outs = kernel(q, k, v, G, beta_hm)
+    outs = kernel(q, k, v, G, beta_hm, *([segment_masks(segments)] if segmented else []))
     return tuple(x.reshape(B, H, *x.shape[1:]) for x in outs)
