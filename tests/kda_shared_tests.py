@@ -178,6 +178,12 @@ class KDAImplementationTests:
         """grad(c L) / c against the fp32 recurrence within fla's tolerances for every c in LOSS_SCALES
         and gates near / at lower_bound = -5, and equal across c up to fp32 rounding. L = c (sum(o w)
         + sum(ht w_h)) with fixed order-1 cotangents w, w_h; c is traced (one compile)."""
+        self.check_every_loss_scale(dtype)
+
+    def check_every_loss_scale(self, dtype, segment_ids=None, gate_cases=LOSS_SCALE_GATES):
+        """test_gradients_at_every_loss_scale's body, also with packed documents (segment_ids
+        [B, T] for the loss_scale_shape, the same ids for the recurrence) and a subset of the gate
+        cases."""
         B, T, H, K = self.loss_scale_shape
         x = make_kda_inputs(jax.random.PRNGKey(31), B, T, H, K, dtype=jnp.dtype(dtype))
         kd, kh, kg = jax.random.split(jax.random.PRNGKey(32), 3)
@@ -190,12 +196,13 @@ class KDAImplementationTests:
                 return {n: gr[n].astype(jnp.float32) / c for n in GRAD_NAMES}
             return jax.jit(grads)
 
+        docs = {} if segment_ids is None else dict(segment_ids=segment_ids)
         under_test = scaled(lambda q, k, v, g, beta, h0: self.run(q, k, v, g, beta, initial_state=h0,
-                                                                   output_final_state=True, lower_bound=-5.0))
+                                                                   output_final_state=True, lower_bound=-5.0, **docs))
         oracle = scaled(lambda q, k, v, g, beta, h0: kda_recurrent(q, k, v, g, beta, initial_state=h0,
-                                                                    output_final_state=True))
+                                                                    output_final_state=True, **docs))
         tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
-        for case in LOSS_SCALE_GATES:
+        for case in gate_cases:
             x["g"] = loss_scale_gates(kg, (B, T, H, K), case)
             ref = oracle({n: a.astype(jnp.float32) for n, a in x.items()}, 1.0)
             got = {c: under_test(x, c) for c in LOSS_SCALES}

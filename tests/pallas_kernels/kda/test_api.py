@@ -3,8 +3,8 @@
 `PallasKDATests` subclasses the shared `KDAImplementationTests` (tests/kda_shared_tests.py): the same
 comparisons with fla's tolerances (bf16: o and final state 0.005, dq/dk/dv/dh0 0.008, dg/dbeta 0.02;
 fp32: FP32_TOLERANCE), including every gradient at loss scales 2^-27 .. 2^20 with gates at the bound,
-and adds the kernels' own: unbounded gates, packed documents through the sequence split, a state
-carried across all chunks. One subclass per backend in interpret mode on CPU (CI):
+and adds the kernels' own: unbounded gates, packed documents through the sequence split, at the
+tile and chunk edges and at every loss scale, a state carried across all chunks. One subclass per backend in interpret mode on CPU (CI):
 `TestTritonInterpret` and `TestMosaicGPUInterpret` (Mosaic GPU interpret mode: bf16, K and V padded to
 64 or 128); `TestTritonGPU` and `TestMosaicGPU` (marker gpu) run compiled on the H200 at K = V = 128
 and T up to 8192. `TestSupported` / `TestPlan`: what is refused and why, which kernel runs each
@@ -35,6 +35,11 @@ GPU_SHAPES = [FLA_SHAPES[4], (1, 8192, 2, 128)]            # (4, 1024, 4, 128), 
 # ending in the padded chunk; row 1: the first document (the one that reads initial_state) crossing
 # two chunk boundaries, a start mid-tile (150), a length-1 document, the last one into the final state.
 SEGMENT_CUTS = [[0, 5, 6, 40, 64, 100, 127, 128, 192, 200, 250], [0, 150, 151, 250]]
+# Packed documents at the kernels' edges for (B, T) = (3, 256), 4 chunks: row 0: length-1 documents
+# either side of a 16-token tile edge (15, 16) and of two chunk edges (63, 64; 127, 128), a start
+# mid-tile (100) and one at a chunk start (192); row 1 (None): a document per token; row 2: a
+# document starting at every chunk start and nowhere else.
+EDGE_CUTS = [[0, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129, 192, 256], None, [0, 64, 128, 192, 256]]
 
 
 def _args(x):
@@ -42,8 +47,13 @@ def _args(x):
 
 
 def segment_ids_of(cuts_per_row, T):
+    """[B, T] int32 segment ids with documents [cuts[i], cuts[i + 1]) per row; a row None: a
+    document per token."""
     seg = np.zeros((len(cuts_per_row), T), np.int32)
     for b, cuts in enumerate(cuts_per_row):
+        if cuts is None:
+            seg[b] = np.arange(T) % 3 + 1
+            continue
         for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
             seg[b, s:e] = (5 * i) % 3 + 1              # consecutive ids differ; ids repeat later
     return jnp.asarray(seg)
@@ -149,6 +159,50 @@ class PallasKDATests(KDAImplementationTests):
         print(f"\nKDA_ERRORS {self.backend} segment_ids {(B, T, H, K, V)} {dtype} split={sequence_split} "
               + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
+    def test_segment_edges_match_recurrent(self):
+        # o, final state and all gradients against the fp32 recurrence with documents at the
+        # kernels' edges (EDGE_CUTS: length 1 at tile and chunk edges, one per token, a start at
+        # every chunk start). Gates 0.1x the usual: strong enough for the anchored tiles, weak
+        # enough that the state crosses the chunk boundaries inside a document. Mosaic GPU: also
+        # against the same call with the Triton intra stages (Tuning(segments_mgpu=False), the plan
+        # before issue 25): the same selects and operands; measured o, ht, dv, dbeta, dh0 identical,
+        # dq 2e-8, dk 1.6e-5, dg 7.4e-5 (dL: split-bf16 wgmma in Mosaic GPU, an fp32 dot for the
+        # Triton bf16x3 in interpret mode; dg sums terms that cancel).
+        dtype = self.dtypes[0]
+        B, T, H = 3, 256, 1
+        K, V = (max(32, self.head_dims[0]), self.head_dims[1] + 4)
+        x = self.inputs(40, B, T, H, K, V, dtype=jnp.dtype(dtype))
+        x["g"] = (0.1 * x["g"].astype(jnp.float32)).astype(x["g"].dtype)
+        seg = segment_ids_of(EDGE_CUTS, T)
+        errs, _ = errors_vs_recurrent(x, seg, dtype, (41, 42), lower_bound=-5.0, interpret=self.interpret,
+                                      backend=self.backend)
+        print(f"\nKDA_ERRORS {self.backend} segment edges {(B, T, H, K, V)} {dtype} "
+              + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+        if self.backend != "mosaic_gpu":
+            return
+        do = jax.random.normal(jax.random.PRNGKey(41), (B, T, H, V))
+        dht = jax.random.normal(jax.random.PRNGKey(42), (B, H, K, V))
+
+        def run(segments_mgpu):
+            kw = dict(output_final_state=True, segment_ids=seg, lower_bound=-5.0, interpret=self.interpret,
+                      backend=self.backend, tuning=pk.Tuning(segments_mgpu=segments_mgpu))
+            return jax.jit(lambda x: kda_loss_and_grads(
+                lambda q, k, v, g, b, h0: pk.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
+        (o, ht, grads), (o_t, ht_t, grads_t) = run(True), run(False)
+        vs_triton = {"o": assert_rms_close("o", o_t, o, 1e-5), "ht": assert_rms_close("ht", ht_t, ht, 1e-5)}
+        for name in GRAD_NAMES:
+            vs_triton[name] = assert_rms_close(name, grads_t[name], grads[name], 3e-4 if name == "dg" else 1e-4)
+        print("KDA_ERRORS vs Triton intra stages " + " ".join(f"{n}={e:.2e}" for n, e in vs_triton.items()))
+
+    def test_segment_ids_at_every_loss_scale(self):
+        # test_gradients_at_every_loss_scale with packed documents: length-1 documents either side of
+        # a tile edge (16) and of the chunk edge (63, 64), a start mid-tile (100), for all four gate
+        # cases and the five loss scales 2^-27 .. 2^20 (the selects must keep the centred tiles'
+        # invariance); the recurrence restarts at the same tokens.
+        B, T = self.loss_scale_shape[:2]
+        seg = segment_ids_of([[0, 16, 17, 63, 64, 65, 100, T]] * B, T)
+        self.check_every_loss_scale(self.dtypes[-1], segment_ids=seg)
+
     @pytest.mark.parametrize("gate", ["bounded", "softplus"])
     def test_check_grads_fp64(self, gate):
         # fp64 is outside the kernels: the call must refuse, naming the dtypes.
@@ -220,7 +274,7 @@ class TestTritonInterpret(PallasKDATests):
 
 class TestMosaicGPUInterpret(PallasKDATests):
     """The sm_90 kernels in Mosaic GPU interpret mode (CPU), with the Triton ones where the plan
-    says (cumsum, score_bwd; intra stages for segment_ids / unbounded gates). bf16, K, V -> 64 / 128."""
+    says (cumsum, score_bwd; intra_fwd for unbounded gates). bf16, K, V -> 64 / 128."""
 
     backend = "mosaic_gpu"
     head_dims = (64, 60)
@@ -366,6 +420,10 @@ class TestSupported:
             pk.kda_pallas(*_args(x), lower_bound=-5.0, interpret=True, tuning={"intra_warps": 4})
         with pytest.raises(ValueError, match="Tuning.block_v"):
             pk.Tuning(block_v=48)
+        with pytest.raises(ValueError, match="Tuning.segments_mgpu must be a bool"):
+            pk.Tuning(segments_mgpu=1)
+        with pytest.raises(ValueError, match="Tuning.intra_warps"):
+            pk.Tuning(intra_warps=True)
 
     def test_default_implementation_rule(self, monkeypatch):
         # implementation=None's rule with the device faked: the kernels only compiled on compute
@@ -409,8 +467,11 @@ class TestPlan:
     def test_stage_table(self):
         M, T = "mosaic_gpu", "triton"
         seg = jax.ShapeDtypeStruct((1, 128), jnp.int32)
-        for kw, want in [(dict(lower_bound=-5.0), (M, M, M, M)), (dict(lower_bound=-5.0, segment_ids=seg), (T, M, M, T)),
-                         (dict(lower_bound=None), (T, M, M, M))]:
+        for kw, want in [(dict(lower_bound=-5.0), (M, M, M, M)), (dict(lower_bound=-5.0, segment_ids=seg), (M, M, M, M)),
+                         (dict(lower_bound=None), (T, M, M, M)), (dict(lower_bound=None, segment_ids=seg), (T, M, M, M)),
+                         # the A/B lever: the plan before issue 25 (Triton intra stages for documents)
+                         (dict(lower_bound=-5.0, segment_ids=seg, tuning=pk.Tuning(segments_mgpu=False)), (T, M, M, T)),
+                         (dict(lower_bound=-5.0, tuning=pk.Tuning(segments_mgpu=False)), (M, M, M, M))]:
             p = pk.kda_plan(*_shapes(128, 128, T=128), interpret=True, backend="mosaic_gpu", **kw)
             assert (p.intra_fwd, p.state_fwd, p.state_bwd, p.solve_bwd) == want, kw
             assert p.stages()["cumsum"] == p.stages()["score_bwd"] == T
@@ -475,14 +536,14 @@ class TestLowering:
     SPLIT = ("kda_split_transitions_fwd", "kda_split_scan")
 
     @staticmethod
-    def _texts(backend, dtype=jnp.bfloat16, sequence_split=0, segments=False, lower_bound=-5.0, T=2048):
+    def _texts(backend, dtype=jnp.bfloat16, sequence_split=0, segments=False, lower_bound=-5.0, T=2048, tuning=None):
         K = 128 if dtype == jnp.bfloat16 else pk.api.MAX_FP32_HEAD_DIM
         shapes = _shapes(K, K, dtype, T=T)
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 
         def fwd(*a):
             return pk.kda_pallas(*a, lower_bound=lower_bound, sequence_split=sequence_split, segment_ids=seg,
-                                 backend=backend)[0]
+                                 backend=backend, tuning=tuning)[0]
         with fake_h200(backend != "triton"):
             return (lowered(fwd, *shapes),
                     lowered(jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)), *shapes))
@@ -510,13 +571,17 @@ class TestLowering:
         assert self._triton_calls(grad) == 9
         assert grad != self._texts("triton")[1]
 
-    @pytest.mark.parametrize("segments, lower_bound, mosaic", [
-        (False, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
-        (True, -5.0, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu")),
-        (False, None, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu"))])
-    def test_mosaic_gpu(self, segments, lower_bound, mosaic):
-        # The plan's table: Mosaic GPU kernels by name, Triton for the rest.
-        fwd, grad = self._texts("mosaic_gpu", segments=segments, lower_bound=lower_bound, T=256)
+    @pytest.mark.parametrize("segments, lower_bound, segments_mgpu, mosaic", [
+        (False, -5.0, True, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (True, -5.0, True, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (True, -5.0, False, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu")),
+        (True, None, True, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (False, None, True, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu"))])
+    def test_mosaic_gpu(self, segments, lower_bound, segments_mgpu, mosaic):
+        # The plan's table: Mosaic GPU kernels by name, Triton for the rest; with segment_ids the
+        # document selects lower in both intra kernels (segments_mgpu=False: the Triton ones).
+        fwd, grad = self._texts("mosaic_gpu", segments=segments, lower_bound=lower_bound, T=256,
+                                tuning=pk.Tuning(segments_mgpu=segments_mgpu))
         assert grad.count("custom_call @mosaic_gpu") == len(mosaic)
         for name in mosaic:
             assert name in grad, name

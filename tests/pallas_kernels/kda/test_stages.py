@@ -3,7 +3,8 @@
 On the same random inputs of the layouts api.py passes, in interpret mode on CPU (CI): every output
 within fp32-summation-order rounding of the Triton kernel (same bf16 operand rounding); the
 interpreter's SMEM race detector over each Mosaic GPU kernel; bad input refused; each kernel lowered
-for CUDA. The Triton cumsum against XLA's. `TestStagesGPU` (marker gpu) compares the compiled kernels
+for CUDA. The intra kernels also with packed documents (segments: the Triton kernels' selects) at
+the tile and chunk edges, a document per token and a start at every chunk start. The Triton cumsum against XLA's. `TestStagesGPU` (marker gpu) compares the compiled kernels
 at benchmark shapes on the H200. Through the op, every stage is held to the recurrence in
 test_api.py.
 """
@@ -17,8 +18,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import mosaic_gpu as mgpu
 from pallas_kernels.kda import triton
+from pallas_kernels.kda.api import document_offsets
 from pallas_kernels.kda.plan import centre_exponent
-from tests.kda_testing import assert_rms_close
+from tests.kda_testing import assert_rms_close, rms_ratio
 
 BF = jnp.bfloat16
 CENTRE = centre_exponent(-5.0)
@@ -97,13 +99,56 @@ def solve_bwd_inputs(B, T, H, K, V, seed=0):
             (tri(11) + jnp.eye(64)).reshape(B, H, T, 64), tri(12).reshape(B, H, T, 64))
 
 
+# Documents of the segmented stage tests, T = 256 (4 chunks), one pattern a row: 0: length-1
+# documents either side of a tile edge (15, 16) and of two chunk edges (63, 64; 127, 128), a start
+# mid-tile (100) and at a chunk start (192); 1: a document per token; 2: a start at every chunk start
+# and nowhere else; 3: one document (the selects are inert: the dense kernel's outputs bit for bit).
+STAGE_CUTS = [[0, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129, 192, 256], None, [0, 64, 128, 192, 256], [0, 256]]
+
+
+def stage_rel(cuts_per_row, T):
+    """rel [B, T] int32 (api.document_offsets) of documents [cuts[i], cuts[i + 1]) per row (None: a
+    document per token; cuts of 256 tokens are repeated to T)."""
+    seg = np.zeros((len(cuts_per_row), T), np.int32)
+    for b, cuts in enumerate(cuts_per_row):
+        if cuts is None:
+            seg[b] = np.arange(T) % 2
+            continue
+        for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+            seg[b, s:e] = i % 2
+        seg[b] = np.tile(seg[b, :256], T // 256) if T > 256 else seg[b]
+    return document_offsets(jnp.asarray(seg), 64, T)
+
+
+def packed_rel(B, T, mean_length=300, seed=0):
+    """rel of random packed documents (lengths 1 + geometric, mean ~mean_length; every 7th length 1)."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        t, i = 0, 0
+        while t < T:
+            n = 1 if i % 7 == 3 else 1 + int(rng.geometric(1.0 / mean_length))
+            seg[b, t:t + n] = i % 2
+            t, i = t + n, i + 1
+    return document_offsets(jnp.asarray(seg), 64, T)
+
+
+def gpu_rel(B, T):
+    """rel for the compiled stage tests: the STAGE_CUTS patterns (repeated to T) on the last
+    min(4, B - 1) rows, random documents (packed_rel) on the others."""
+    n = min(4, B - 1)
+    return jnp.concatenate([packed_rel(B - n, T), stage_rel(STAGE_CUTS[:n], T)])
+
+
 # ------------------------------------------------------------------------------ the stage pairs
-def intra_fwd_pair(args, interpret, save_solve=True):
+def intra_fwd_pair(args, interpret, save_solve=True, segments=None):
     scale = args[0].shape[-1] ** -0.5
-    out = jax.jit(lambda *a: mgpu.intra_fwd(*a, scale=scale, centre=CENTRE, save_solve=save_solve,
-                                            interpret=interpret))(*args)
-    ref = jax.jit(lambda *a: triton.intra_fwd(*a, scale=scale, centre=CENTRE, unbounded=False, save_solve=True,
-                                              interpret=interpret))(*args)
+    out = jax.jit(lambda *a: mgpu.intra_fwd(*a[:5], scale=scale, centre=CENTRE, save_solve=save_solve,
+                                            segments=a[5] if len(a) > 5 else None,
+                                            interpret=interpret))(*args, *([] if segments is None else [segments]))
+    ref = jax.jit(lambda *a: triton.intra_fwd(*a[:5], scale=scale, centre=CENTRE, unbounded=False, save_solve=True,
+                                              segments=a[5] if len(a) > 5 else None,
+                                              interpret=interpret))(*args, *([] if segments is None else [segments]))
     ref = ref[:6] + (ref[6:] if save_solve else ())          # Triton: qg, kd, w, u, aqk, gl, A, M
     return out, ref
 
@@ -124,11 +169,27 @@ def state_bwd_pair(args, interpret):
     return out, ref
 
 
-def solve_bwd_pair(args, interpret):
+def solve_bwd_pair(args, interpret, segments=None):
     scale = args[0].shape[-1] ** -0.5
-    out = jax.jit(lambda *a: mgpu.solve_bwd(*a, scale=scale, interpret=interpret))(*args)
-    ref = jax.jit(lambda *a: triton.solve_bwd(*a, scale=scale, interpret=interpret))(*args)
+    extra = [] if segments is None else [segments]
+    out = jax.jit(lambda *a: mgpu.solve_bwd(*a[:13], scale=scale, segments=a[13] if len(a) > 13 else None,
+                                            interpret=interpret))(*args, *extra)
+    ref = jax.jit(lambda *a: triton.solve_bwd(*a[:13], scale=scale, segments=a[13] if len(a) > 13 else None,
+                                              interpret=interpret))(*args, *extra)
     return out, ref
+
+
+def assert_masks_matter(out, dense, single_rows, name, tol=1e-6):
+    """The segmented outputs equal the dense kernel's on the rows with one document (single_rows;
+    within tol: XLA may contract a product into an FMA on one side of a select and not the other)
+    and differ from them by more than fla's o tolerance on the others (the selects are not inert).
+    Outputs are [B, ...] token-major or [B, H, ...] head-major: both lead with B."""
+    rows = np.asarray(single_rows)
+    others = np.setdiff1d(np.arange(out[0].shape[0]), rows)
+    for i, (o, d) in enumerate(zip(out, dense, strict=True)):
+        o, d = np.asarray(o, np.float32), np.asarray(d, np.float32)
+        assert_rms_close(f"{name}[{i}] one-document rows", d[rows], o[rows], tol)
+        assert rms_ratio(d[others], o[others]) > 5e-3, f"{name}[{i}]: the documents changed nothing"
 
 
 class TestTritonCumsum:
@@ -162,6 +223,34 @@ class TestMosaicGPUStages:
             out, ref = intra_fwd_pair(intra_inputs(*shape), True, save_solve)
             assert len(out) == (8 if save_solve else 6)
             compare(f"intra_fwd {shape} save_solve={save_solve}", out, ref, 1e-5)
+
+    @pytest.mark.parametrize("K, V", [(64, 64), (128, 64)])
+    def test_intra_fwd_segments(self, K, V):
+        # Packed documents (STAGE_CUTS): the same selects as the Triton kernels; measured qg, kd, gl
+        # identical, u, A, M <= 5e-7 (fp32 summation order), w 1e-6 and aqk 2.2e-5 at K = 128
+        # (bf16 outputs: a summation-order flip of one bf16 rounding weighs more against the
+        # masked, smaller aqk).
+        # The one-document row is the dense kernel's output; the others differ from it.
+        args = intra_inputs(4, 256, 1, K, V)
+        rel = stage_rel(STAGE_CUTS, 256)
+        out, ref = intra_fwd_pair(args, True, segments=rel)
+        compare(f"intra_fwd segments K={K} V={V}", out, ref, 1e-4)
+        dense, _ = intra_fwd_pair(args, True)
+        assert_masks_matter(out, dense, [3], "intra_fwd")
+
+    @pytest.mark.parametrize("K, V", [(64, 64), (64, 128)])
+    def test_solve_bwd_segments(self, K, V):
+        # As test_intra_fwd_segments for the state products and the W / U / solve backward; measured
+        # dv identical, the rest <= 6.2e-6 (fp32 summation order; the split-bf16 dL against the
+        # interpreter's fp32 dot for bf16x3).
+        args = solve_bwd_inputs(4, 256, 1, K, V)
+        rel = stage_rel(STAGE_CUTS, 256)
+        out, ref = solve_bwd_pair(args, True, segments=rel)
+        compare(f"solve_bwd segments K={K} V={V}", out, ref, 1e-4)
+        dense, _ = solve_bwd_pair(args, True)
+        # dv = beta A^T dU reads no factor the documents mask (A, M are inputs here): the dense dv
+        assert_masks_matter(out[1:], dense[1:], [3], "solve_bwd")
+        np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(dense[0], np.float32))
 
     @pytest.mark.parametrize("B, H, T, K, V, segments, write_states, tol", [
         (1, 2, 192, 128, 128, None, True, 1e-3), (2, 1, 128, 64, 128, None, False, 1e-5),
@@ -217,6 +306,10 @@ class TestMosaicGPUStages:
         assert no_races(mgpu.state_bwd, *state_bwd_inputs(1, 1, 256, 128, 64))
         assert no_races(mgpu.intra_fwd, *intra_inputs(1, 64, 1, 128, 128), scale=0.1, centre=CENTRE, save_solve=True)
         assert no_races(mgpu.solve_bwd, *solve_bwd_inputs(1, 64, 1, 128, 128), scale=0.1)
+        rel = stage_rel([[0, 15, 16, 17, 40, 64]], 64)       # documents: the selects read seg from HBM only
+        assert no_races(mgpu.intra_fwd, *intra_inputs(1, 64, 1, 128, 128), scale=0.1, centre=CENTRE, save_solve=True,
+                        segments=rel)
+        assert no_races(mgpu.solve_bwd, *solve_bwd_inputs(1, 64, 1, 128, 128), scale=0.1, segments=rel)
 
     def test_bad_input_raises(self):
         q, k, v, G, beta = intra_inputs(1, 64, 1, 64, 64)
@@ -242,6 +335,11 @@ class TestMosaicGPUStages:
         with pytest.raises(ValueError, match="must be bfloat16"):
             mgpu.state_bwd(*bw, interpret=True)
         sb = list(solve_bwd_inputs(1, 64, 1, 64, 64))
+        with pytest.raises(ValueError, match="shapes do not match"):
+            mgpu.solve_bwd(*sb, scale=0.1, segments=jnp.zeros((1, 128), jnp.int32), interpret=True)
+        with pytest.raises(ValueError, match="shapes do not match"):
+            mgpu.intra_fwd(q, k, v, G, beta, scale=0.1, centre=CENTRE, segments=jnp.zeros((2, 64), jnp.int32),
+                           interpret=True)
         sb[9] = sb[9].astype(jnp.float32)
         with pytest.raises(ValueError, match="must be bfloat16"):
             mgpu.solve_bwd(*sb, scale=0.1, interpret=True)
@@ -260,9 +358,14 @@ class TestMosaicGPUStages:
         hm_k, hm_v, hm_c = sd((B, H, T, K), BF), sd((B, H, T, V), f32), sd((B, H, T, 64), BF)
         gl, h0 = sd((B, H, T // 64, K), f32), sd((B, H, V, K), f32)
         st = sd((B, H, T // 64, V, K), BF)
+        rel = sd((B, T), jnp.int32)
         for save_solve in (False, True):
             assert "kda_intra_fwd_mgpu" in text(lambda *a: mgpu.intra_fwd(*a, scale=0.1, centre=CENTRE, save_solve=save_solve),
                                                 tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF))
+            # documents: rel in the ROW and COL layouts of the accumulator (layout inference)
+            assert "kda_intra_fwd_mgpu" in text(
+                lambda *a: mgpu.intra_fwd(*a[:5], segments=a[5], scale=0.1, centre=CENTRE, save_solve=save_solve),
+                tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF), rel)
         for write_states in (False, True):
             assert "kda_state_fwd_mgpu" in text(lambda *a: mgpu.state_fwd(*a, write_states=write_states),
                                                 hm_k, hm_k, hm_v, gl, h0, hm_k, hm_c)
@@ -270,6 +373,9 @@ class TestMosaicGPUStages:
         assert "kda_intra_bwd_solve_mgpu" in text(
             lambda *a: mgpu.solve_bwd(*a, scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF),
             tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32))
+        assert "kda_intra_bwd_solve_mgpu" in text(
+            lambda *a: mgpu.solve_bwd(*a[:13], segments=a[13], scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32),
+            sd((B, T, H), BF), tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32), rel)
 
 
 @pytest.mark.gpu
@@ -296,3 +402,14 @@ class TestStagesGPU:
     def test_solve_bwd(self, shape):
         out, ref = solve_bwd_pair(solve_bwd_inputs(*shape), False)
         print(shape, compare(f"solve_bwd {shape}", out, ref, 1e-3))
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (32, 2048, 6, 128, 128), (2, 1024, 4, 64, 64)])
+    def test_intra_fwd_segments(self, shape):
+        # Packed documents (gpu_rel): random lengths and the edge patterns, against Triton compiled.
+        out, ref = intra_fwd_pair(intra_inputs(*shape), False, segments=gpu_rel(*shape[:2]))
+        print(shape, compare(f"intra_fwd segments {shape}", out, ref, 1e-3))
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (32, 2048, 6, 128, 128), (2, 1024, 4, 64, 64)])
+    def test_solve_bwd_segments(self, shape):
+        out, ref = solve_bwd_pair(solve_bwd_inputs(*shape), False, segments=gpu_rel(*shape[:2]))
+        print(shape, compare(f"solve_bwd segments {shape}", out, ref, 1e-3))

@@ -1,0 +1,92 @@
+"""A/B of packed documents (segment_ids) in the Pallas KDA op on the H200 (issue 25): forward +
+backward time of kda_pallas with the Mosaic GPU intra stages taking the documents (the new plan),
+with Tuning(segments_mgpu=False) (the Triton intra stages for documents, the plan before), dense
+(no segment_ids, the floor) and backend="triton" (every stage Triton).
+
+Inputs: harness.make_kda_inputs (bf16, lower_bound -5); documents of random lengths 1 + geometric
+(mean --mean-doc tokens). Times: harness.time_call, back-to-back device-bound ms of a jitted
+value-and-grad (all five input gradients). Also the RMS ratio of o and every gradient of the new
+plan against the old one (the same math: fp32 summation order apart).
+
+  python -m experiments.gpu_checks.packed_mgpu_bench --out experiments/results/kda_packed_h200
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels.kda as pk
+from experiments import harness
+
+VARIANTS = {  # name: (backend, segmented, tuning)
+    "mosaic_gpu packed (new)": ("mosaic_gpu", True, pk.Tuning()),
+    "mosaic_gpu packed, Triton intra (old)": ("mosaic_gpu", True, pk.Tuning(segments_mgpu=False)),
+    "mosaic_gpu dense": ("mosaic_gpu", False, pk.Tuning()),
+    "triton packed": ("triton", True, pk.Tuning()),
+}
+
+
+def packed_ids(B, T, mean_doc, seed=0):
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        t, i = 0, 0
+        while t < T:
+            n = 1 + int(rng.geometric(1.0 / mean_doc))
+            seg[b, t:t + n] = i
+            t, i = t + n, i + 1
+    return jnp.asarray(seg)
+
+
+def step_fn(backend, tuning, seg, interpret=False):
+    def loss(q, k, v, g, beta, do):
+        o, _ = pk.kda_pallas(q, k, v, g, beta, lower_bound=-5.0, segment_ids=seg, backend=backend, tuning=tuning,
+                             interpret=interpret)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="32x2048x6x128,8x4096x16x128", help="BxTxHxK, comma separated")
+    p.add_argument("--mean-doc", type=int, default=512)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--stream-calls", type=int, default=20)
+    p.add_argument("--stream-reps", type=int, default=5)
+    p.add_argument("--out", default="")
+    p.add_argument("--interpret", action="store_true", help="interpret mode (a CPU smoke run, K = 64)")
+    a = p.parse_args(argv)
+    rows, data = [], dict(environment=harness.environment(), mean_doc=a.mean_doc, results=[])
+    for shape in a.shapes.split(","):
+        B, T, H, K = harness.parse_kda_shape(shape)
+        seg = packed_ids(B, T, a.mean_doc)
+        docs = int(jnp.sum(seg[:, 1:] != seg[:, :-1])) + B
+        outs = {}
+        for name, (backend, segmented, tuning) in VARIANTS.items():
+            fn = step_fn(backend, tuning, seg if segmented else None, a.interpret)
+            make = lambda i: harness.make_kda_inputs(jax.random.PRNGKey(i), B, T, H, K, jnp.bfloat16)  # noqa: E731
+            t = harness.time_call(fn, make, iters=a.iters, warmup=2, stream_calls=a.stream_calls,
+                                  stream_reps=a.stream_reps)
+            (_, o), grads = fn(*make(0))
+            outs[name] = (o, grads)
+            rows.append([shape, name, t["stream_ms"], t["median_ms"]])
+            data["results"].append(dict(shape=shape, variant=name, documents=docs, **t))
+            print(shape, name, f"{t['stream_ms']:.3f} ms back to back, {t['median_ms']:.3f} ms per call", flush=True)
+        new, old = outs["mosaic_gpu packed (new)"], outs["mosaic_gpu packed, Triton intra (old)"]
+        errs = {"o": harness.rms_ratio(new[0], old[0])}
+        errs |= {f"d{n}": harness.rms_ratio(x, y) for n, x, y in zip(("q", "k", "v", "g", "beta"), new[1], old[1])}
+        data["results"].append(dict(shape=shape, new_vs_old_rms=errs))
+        print(shape, "new vs old RMS ratio", " ".join(f"{n}={e:.2e}" for n, e in errs.items()), flush=True)
+    md = "\n".join([f"# Packed documents in the Pallas KDA op (issue 25)", "", harness.environment_line(data["environment"]),
+                    "", f"fwd + bwd (5 input gradients), bf16, lower_bound -5, documents mean {a.mean_doc} tokens.", ""]
+                   + harness.markdown_table(["shape", "variant", "back-to-back ms", "per-call ms"], rows)) + "\n"
+    print(md)
+    if a.out:
+        harness.write_results(a.out, data, md)
+
+
+if __name__ == "__main__":
+    main()
