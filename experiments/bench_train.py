@@ -42,11 +42,12 @@ SHAPES = {
     # d_model 768, 8 layers "KKKA", KDA / attention 6 x 128, MoE 16 x 1024 top-2, 32 x 2048 tokens
     "k3_small": dict(model=dict(d_model=768, num_layers=8, num_heads=6, head_dim=128, d_ff=2176, mixer_pattern="KKKA",
                                 moe=dict(num_experts=16, top_k=2, d_ff=1024), residual=dict(blocks=4)),
-                     batch_size=32, seq_len=2048, doc_len=1000),
-    # about 1B parameters (issue 26's second shape)
+                     batch_size=32, seq_len=2048, doc_len=1000, jla_config="experiments/configs/jla_k3_small_shape.toml"),
+    # issue 26's second shape: 1.63B parameters, 0.56B active (its example's 64 x 1024 experts are 10.1B
+    # parameters, 150 GiB of fp32 weights and Adam moments: more than one H200), 16 x 4096 tokens
     "1b": dict(model=dict(d_model=2048, num_layers=24, num_heads=16, head_dim=128, d_ff=5632, mixer_pattern="KKKA",
-                          moe=dict(num_experts=64, top_k=8, d_ff=1024), residual=dict(blocks=4)),
-               batch_size=16, seq_len=4096, doc_len=1000),
+                          moe=dict(num_experts=64, top_k=8, d_ff=128), residual=dict(blocks=4)),
+               batch_size=16, seq_len=4096, doc_len=1000, jla_config="experiments/configs/jla_1b_shape.toml"),
     "tiny": dict(model=dict(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64, mixer_pattern="KA",
                             moe=dict(num_experts=4, top_k=2, d_ff=32), residual=dict(blocks=2)),
                  batch_size=2, seq_len=64, doc_len=40),
@@ -228,8 +229,7 @@ def _define_flags():
     _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                                "k3jax rows: model.remat (with --scan_layers).")
     _OUT = flags.DEFINE_string("out", "experiments/results/train_step_h200", "Output prefix (<out>.json, .md).")
-    _JLA_CONFIG = flags.DEFINE_string("jla_config", "experiments/configs/jla_k3_small_shape.toml",
-                                      "jla TOML at the shape (only k3_small has one).")
+    _JLA_CONFIG = flags.DEFINE_string("jla_config", "", "jla TOML at the shape (default: the shape's own).")
     _ONE_ROW = flags.DEFINE_string("one_row", "", "Internal: run this k3jax row here and print its JSON.")
     _TIMEOUT = flags.DEFINE_float("row_timeout_s", 560.0, "Seconds a row's subprocess may take.")
 
@@ -248,11 +248,11 @@ def main(argv):
     for row in _ROWS.value:
         t0 = time.perf_counter()
         if row == "jla":
-            if _SHAPE.value != "k3_small":
+            config = _JLA_CONFIG.value or SHAPES[_SHAPE.value].get("jla_config")
+            if not config:
                 rows.append({"row": "jla", "skipped": f"no jla config for shape {_SHAPE.value!r}"})
             else:
-                rows.append(run_jla(_JLA_CONFIG.value, steps=_STEPS.value, warmup=_WARMUP.value,
-                                    timeout_s=_TIMEOUT.value))
+                rows.append(run_jla(config, steps=_STEPS.value, warmup=_WARMUP.value, timeout_s=_TIMEOUT.value))
         else:
             argv = [a for a in sys.argv[1:] if not a.startswith(("--rows", "--one_row", "--out"))]
             proc = subprocess.run([sys.executable, "-m", "experiments.bench_train", f"--one_row={row}", *argv],

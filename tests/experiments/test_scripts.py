@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from experiments import depth_residuals as dr
 from experiments import profile_step
@@ -182,3 +183,28 @@ def test_bench_train_parses_jla_log_lines_and_builds_like_for_like_rows():
     np.testing.assert_array_equal(batch["positions"][0, [999, 1000]], [999, 0])
     assert not batch["loss_mask"][0, 999] and batch["loss_mask"][0, 1000]
     np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+
+
+@pytest.mark.parametrize("shape", ["k3_small", "1b"])
+def test_bench_train_jla_config_has_the_shape_of_the_k3jax_rows(shape):
+    # jla's row must train the same model shape and tokens per step as the k3jax rows it is compared with.
+    import tomllib
+    from experiments import bench_train
+    s = bench_train.SHAPES[shape]
+    cfg = bench_train.model_config(shape, "like_for_like", scan_layers=False, remat="none")
+    with open(s["jla_config"], "rb") as f:
+        jla = tomllib.load(f)
+    m = jla["model"]
+    kinds = {"K": "kda", "A": "attention"}
+    assert m["layer_types"] == [kinds[c] for c in cfg.mixer_pattern * (cfg.num_layers // len(cfg.mixer_pattern))]
+    assert m["mlp_types"] == ["moe"] * cfg.num_layers
+    assert (m["vocab_size"], m["d_model"], m["n_layers"]) == (cfg.vocab_size, cfg.d_model, cfg.num_layers)
+    assert (m["attention"]["num_heads"], m["attention"]["head_dim"], m["attention"]["use_rope"]) == (
+        cfg.num_heads, cfg.head_dim, cfg.attention.rope)
+    la = m["linear_attention"]
+    assert (la["num_k_heads"], la["head_k_dim"], la["head_v_dim"]) == (cfg.num_heads, cfg.head_dim, cfg.head_dim)
+    assert (m["moe"]["num_experts"], m["moe"]["top_k"], m["moe"]["d_ff_expert"]) == (
+        cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.d_ff)
+    t, d = jla["train"], jla["data"]
+    assert (t["seq_len"], t["micro_batch_per_replica"], d["synthetic_doc_length"]) == (
+        s["seq_len"], s["batch_size"], s["doc_len"])
