@@ -64,7 +64,7 @@ import shutil
 import sys
 import sysconfig
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -324,9 +324,8 @@ def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
             return tok
     import tokenizers  # pylint: disable=import-outside-toplevel
     tok = train_bpe(_byte_documents(byte_folder, "train"), arg, identity=identity)
-    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         (tmp / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
         (tmp / "manifest.json").write_text(json.dumps({
             "format": FORMAT_VERSION, "corpus": source, "corpus_key": byte_folder.name,
@@ -334,16 +333,7 @@ def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
             "requested_vocab_size": arg, "vocab_size": tok.vocab_size, "identity": identity,
             "hash": tok.hash, "tokenizers_version": tokenizers.__version__,
             "special_tokens": ["<|bos|>", "<|eos|>", "<|pad|>"]}, indent=1, sort_keys=True))
-        if folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if _read_manifest(folder) is None:
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    _build_atomically(root, key, write, complete=lambda f: _read_manifest(f) is not None)
     tok.path = str(folder / "tokenizer.json")
     return tok
 
@@ -351,16 +341,12 @@ def load_tokenizer(spec: str = "bytes", *, source: str = "python-stdlib",
 def _tokenized_cache(root: Path, byte_folder: Path, tokenizer: Tokenizer) -> Path:
     """`<byte key>-tok-<hash>`: the byte cache's documents encoded with `tokenizer`, each + EOS."""
     key = f"{byte_folder.name}-tok-{tokenizer.hash}"
-    folder = root / key
-    if _cache_complete(folder):
-        return folder
-    if folder.exists():
-        shutil.rmtree(folder, ignore_errors=True)
+    if _cache_complete(root / key):
+        return root / key
     byte_manifest = _read_manifest(byte_folder)
     dtype = token_dtype(tokenizer.vocab_size)
-    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         splits = {}
         for s in SPLITS:
             hasher, n_tokens = hashlib.sha256(), 0
@@ -380,19 +366,35 @@ def _tokenized_cache(root: Path, byte_folder: Path, tokenizer: Tokenizer) -> Pat
                     "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.str,
                     "splits": splits}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return _build_atomically(root, key, write, complete=_cache_complete)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache: build into a temporary folder, then os.replace into place.
+
+
+def _build_atomically(root: Path, key: str, write: Callable[[Path], None], *,
+                      complete: Callable[[Path], bool]) -> Path:
+    """`root / key` built by `write(tmp)` in a fresh temporary folder, then moved into place with one
+    os.replace; a stale folder is removed first, and a folder another process completed first (per
+    `complete`) is kept. An interrupted build leaves no folder at `root / key`."""
+    folder = root / key
+    if folder.exists():  # an unreadable or stale folder (never produced by an interrupted build)
+        shutil.rmtree(folder, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
         try:
             os.replace(tmp, folder)
-        except OSError:
-            if not _cache_complete(folder):
+        except OSError:  # another process finished the same build first; keep its folder
+            if not complete(folder):
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-# ----------------------------------------------------------------------------------------------
-# Cache: build into a temporary folder, then os.replace into place.
 
 
 def _cached(root: Path, key: str, header: dict[str, Any],
@@ -402,26 +404,10 @@ def _cached(root: Path, key: str, header: dict[str, Any],
     `documents` yields (split, document key, data); data None marks a skipped document. It is
     only iterated when a build is needed.
     """
-    folder = root / key
-    if _cache_complete(folder):
-        return folder
-    if folder.exists():  # an unreadable or stale folder (never produced by an interrupted build)
-        shutil.rmtree(folder, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_build(tmp, key, header, documents)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            # Another process finished the same build first; keep its folder.
-            if not _cache_complete(folder):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    if _cache_complete(root / key):
+        return root / key
+    return _build_atomically(root, key, lambda tmp: _write_build(tmp, key, header, documents),
+                             complete=_cache_complete)
 
 
 def _write_build(tmp: Path, key: str, header: dict[str, Any],
