@@ -140,11 +140,6 @@ def implementations(chunk_size: int, segment_ids=None) -> dict[str, Callable]:
         out["pallas"] = lambda q, k, v, g, beta: kda(q, k, v, g, beta, implementation="pallas", segment_ids=seg,
                                                      lower_bound=declared_lower_bound(), chunk_size=chunk_size,
                                                      interpret=interpret)[0]
-        if seg is not None:  # the A/B of packed documents: the Triton intra stages of before (plan.Tuning)
-            import pallas_kernels.kda as pk
-            out["pallas_triton_intra"] = lambda q, k, v, g, beta: pk.kda_pallas(
-                q, k, v, g, beta, lower_bound=declared_lower_bound(), segment_ids=seg, chunk_size=chunk_size,
-                interpret=interpret, tuning=pk.Tuning(segments_mgpu=False))[0]
     except ImportError:
         pass
     return out
@@ -316,7 +311,7 @@ def _ms(x) -> str:
     return "—" if x is None or x != x else f"{x:.2f}"
 
 
-KNOWN_IMPLEMENTATIONS = ("recurrent", "chunked", "pallas", "pallas_triton_intra", "jla")
+KNOWN_IMPLEMENTATIONS = ("recurrent", "chunked", "pallas", "jla")
 MODES = ("fwd", "fwd+bwd")
 
 

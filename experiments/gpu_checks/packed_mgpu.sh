@@ -5,11 +5,11 @@
 # 1. pytest -m gpu: every compiled stage test (TestStagesGPU: intra_fwd and solve_bwd with and without
 #    packed documents against the compiled Triton stages, the state passes) and the op tests of
 #    TestMosaicGPU with documents against the fp32 recurrence (segment ids through the split, at the
-#    tile / chunk edges and against Tuning(segments_mgpu=False), each document alone, every loss
-#    scale, unbounded gates with documents). Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_h200.log.
-# 2. (BENCH=1, the default) experiments.gpu_checks.packed_mgpu_bench: fwd + bwd ms of the new plan,
-#    the old one (Triton intra stages for documents), dense and all-Triton at 32x2048x6x128 (K3-small)
-#    and 8x4096x16x128: $OUT_DIR/kda_packed_h200.{json,md}.
+#    tile / chunk edges, each document alone, every loss scale, unbounded gates with documents).
+#    Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_h200.log.
+# 2. (BENCH=1, the default) experiments.gpu_checks.packed_mgpu_bench: fwd + bwd ms of the Mosaic GPU
+#    plan with documents, dense and all-Triton at 32x2048x6x128 (K3-small) and 8x4096x16x128:
+#    $OUT_DIR/kda_packed_h200.{json,md}.
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), WORKERS (4: pytest-xdist
 # workers when installed), SELECT (the -k expression; FULL=1: every gpu test of tests/pallas_kernels).
 # Wheels in .whl/ (experiments/gpu_wheels.txt) are installed first when present. Exit status: pytest's,

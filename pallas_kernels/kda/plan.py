@@ -18,8 +18,7 @@ the Triton one:
 | score_bwd  | triton                     | triton           | triton          |
 
 With segment_ids the Mosaic GPU intra kernels apply the document selects (Segments in
-mosaic_gpu/common.py, as triton/common.py's); Tuning(segments_mgpu=False) runs the two intra stages of
-a segmented call in Triton instead (the plan before issue 25, kept for A/B measurements).
+mosaic_gpu/common.py, as triton/common.py's).
 "auto" is "mosaic_gpu" compiled on a compute-capability-9.x GPU for calls it covers, else "triton".
 """
 from __future__ import annotations
@@ -50,8 +49,6 @@ class Tuning:
       number of chunks >= split_min_chunks) that reach it; it costs ~3x the serial work.
       split_target_programs_mgpu: the same when both serial passes are Mosaic GPU kernels (their
       chunk step is short: one serial pass beat the split at 32 and 64 programs on the H200).
-    segments_mgpu: with segment_ids under "mosaic_gpu", run intra_fwd and solve_bwd in Mosaic GPU
-      (True) or in Triton (False: the plan before issue 25; an A/B lever, the same math).
     """
 
     intra_warps: int = 8
@@ -61,15 +58,10 @@ class Tuning:
     split_target_programs: int = 256
     split_target_programs_mgpu: int = 32
     split_min_chunks: int = 4
-    segments_mgpu: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type in (bool, "bool"):
-                if not isinstance(value, bool):
-                    raise ValueError(f"Tuning.{f.name} must be a bool; got {value!r}")
-                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Tuning.{f.name} must be a positive int; got {value!r}")
         if self.block_v & (self.block_v - 1) or self.block_v < 16:
@@ -178,13 +170,11 @@ def make_plan(dtype, B: int, H: int, Tp: int, Kp: int, Vp: int, *, lower_bound, 
     resolved = resolve_backend(backend, dtype, Kp, Vp, interpret)
     unbounded = lower_bound is None
     mgpu = resolved == "mosaic_gpu"
-    mgpu_intra = mgpu and (tuning.segments_mgpu or not segmented)
     block_v = min(Vp, tuning.block_v if not mgpu else 64)
     target = tuning.split_target_programs_mgpu if mgpu else tuning.split_target_programs
     seg = split_chunks(Tp // CHUNK_SIZE, sequence_split, B * H * (Vp // block_v), target, tuning.split_min_chunks)
     return Plan(backend=resolved,
-                intra_fwd="mosaic_gpu" if mgpu_intra and not unbounded else "triton",
-                state_fwd=resolved, state_bwd=resolved,
-                solve_bwd="mosaic_gpu" if mgpu_intra else "triton",
+                intra_fwd="mosaic_gpu" if mgpu and not unbounded else "triton",
+                state_fwd=resolved, state_bwd=resolved, solve_bwd=resolved,
                 seg_chunks=seg, unbounded=unbounded, segmented=segmented,
                 centre=0 if unbounded else centre_exponent(lower_bound), block_v=block_v, tuning=tuning)

@@ -163,11 +163,7 @@ class PallasKDATests(KDAImplementationTests):
         # o, final state and all gradients against the fp32 recurrence with documents at the
         # kernels' edges (EDGE_CUTS: length 1 at tile and chunk edges, one per token, a start at
         # every chunk start). Gates 0.1x the usual: strong enough for the anchored tiles, weak
-        # enough that the state crosses the chunk boundaries inside a document. Mosaic GPU: also
-        # against the same call with the Triton intra stages (Tuning(segments_mgpu=False), the plan
-        # before issue 25): the same selects and operands; measured o, ht, dv, dbeta, dh0 identical,
-        # dq 2e-8, dk 1.6e-5, dg 7.4e-5 (dL: split-bf16 wgmma in Mosaic GPU, an fp32 dot for the
-        # Triton bf16x3 in interpret mode; dg sums terms that cancel).
+        # enough that the state crosses the chunk boundaries inside a document.
         dtype = self.dtypes[0]
         B, T, H = 3, 256, 1
         K, V = (max(32, self.head_dims[0]), self.head_dims[1] + 4)
@@ -178,21 +174,6 @@ class PallasKDATests(KDAImplementationTests):
                                       backend=self.backend)
         print(f"\nKDA_ERRORS {self.backend} segment edges {(B, T, H, K, V)} {dtype} "
               + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-        if self.backend != "mosaic_gpu":
-            return
-        do = jax.random.normal(jax.random.PRNGKey(41), (B, T, H, V))
-        dht = jax.random.normal(jax.random.PRNGKey(42), (B, H, K, V))
-
-        def run(segments_mgpu):
-            kw = dict(output_final_state=True, segment_ids=seg, lower_bound=-5.0, interpret=self.interpret,
-                      backend=self.backend, tuning=pk.Tuning(segments_mgpu=segments_mgpu))
-            return jax.jit(lambda x: kda_loss_and_grads(
-                lambda q, k, v, g, b, h0: pk.kda_pallas(q, k, v, g, b, initial_state=h0, **kw), x, do, dht))(x)
-        (o, ht, grads), (o_t, ht_t, grads_t) = run(True), run(False)
-        vs_triton = {"o": assert_rms_close("o", o_t, o, 1e-5), "ht": assert_rms_close("ht", ht_t, ht, 1e-5)}
-        for name in GRAD_NAMES:
-            vs_triton[name] = assert_rms_close(name, grads_t[name], grads[name], 3e-4 if name == "dg" else 1e-4)
-        print("KDA_ERRORS vs Triton intra stages " + " ".join(f"{n}={e:.2e}" for n, e in vs_triton.items()))
 
     def test_segment_ids_at_every_loss_scale(self):
         # test_gradients_at_every_loss_scale with packed documents: length-1 documents either side of
@@ -420,8 +401,6 @@ class TestSupported:
             pk.kda_pallas(*_args(x), lower_bound=-5.0, interpret=True, tuning={"intra_warps": 4})
         with pytest.raises(ValueError, match="Tuning.block_v"):
             pk.Tuning(block_v=48)
-        with pytest.raises(ValueError, match="Tuning.segments_mgpu must be a bool"):
-            pk.Tuning(segments_mgpu=1)
         with pytest.raises(ValueError, match="Tuning.intra_warps"):
             pk.Tuning(intra_warps=True)
 
@@ -468,10 +447,7 @@ class TestPlan:
         M, T = "mosaic_gpu", "triton"
         seg = jax.ShapeDtypeStruct((1, 128), jnp.int32)
         for kw, want in [(dict(lower_bound=-5.0), (M, M, M, M)), (dict(lower_bound=-5.0, segment_ids=seg), (M, M, M, M)),
-                         (dict(lower_bound=None), (T, M, M, M)), (dict(lower_bound=None, segment_ids=seg), (T, M, M, M)),
-                         # the A/B lever: the plan before issue 25 (Triton intra stages for documents)
-                         (dict(lower_bound=-5.0, segment_ids=seg, tuning=pk.Tuning(segments_mgpu=False)), (T, M, M, T)),
-                         (dict(lower_bound=-5.0, tuning=pk.Tuning(segments_mgpu=False)), (M, M, M, M))]:
+                         (dict(lower_bound=None), (T, M, M, M)), (dict(lower_bound=None, segment_ids=seg), (T, M, M, M))]:
             p = pk.kda_plan(*_shapes(128, 128, T=128), interpret=True, backend="mosaic_gpu", **kw)
             assert (p.intra_fwd, p.state_fwd, p.state_bwd, p.solve_bwd) == want, kw
             assert p.stages()["cumsum"] == p.stages()["score_bwd"] == T
@@ -536,14 +512,14 @@ class TestLowering:
     SPLIT = ("kda_split_transitions_fwd", "kda_split_scan")
 
     @staticmethod
-    def _texts(backend, dtype=jnp.bfloat16, sequence_split=0, segments=False, lower_bound=-5.0, T=2048, tuning=None):
+    def _texts(backend, dtype=jnp.bfloat16, sequence_split=0, segments=False, lower_bound=-5.0, T=2048):
         K = 128 if dtype == jnp.bfloat16 else pk.api.MAX_FP32_HEAD_DIM
         shapes = _shapes(K, K, dtype, T=T)
         seg = (jnp.arange(T, dtype=jnp.int32) // 100)[None] if segments else None
 
         def fwd(*a):
             return pk.kda_pallas(*a, lower_bound=lower_bound, sequence_split=sequence_split, segment_ids=seg,
-                                 backend=backend, tuning=tuning)[0]
+                                 backend=backend)[0]
         with fake_h200(backend != "triton"):
             return (lowered(fwd, *shapes),
                     lowered(jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)), *shapes))
@@ -571,20 +547,18 @@ class TestLowering:
         assert self._triton_calls(grad) == 9
         assert grad != self._texts("triton")[1]
 
-    @pytest.mark.parametrize("segments, lower_bound, segments_mgpu, mosaic", [
-        (False, -5.0, True, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
-        (True, -5.0, True, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
-        (True, -5.0, False, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu")),
-        (True, None, True, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
-        (False, None, True, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu"))])
-    def test_mosaic_gpu(self, segments, lower_bound, segments_mgpu, mosaic):
+    @pytest.mark.parametrize("segments, lower_bound, mosaic", [
+        (False, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (True, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (True, None, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (False, None, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu"))])
+    def test_mosaic_gpu(self, segments, lower_bound, mosaic):
         # The plan's table: Mosaic GPU kernels by name, Triton for the rest; with segment_ids the
-        # document selects lower in both intra kernels (segments_mgpu=False: the Triton ones).
-        fwd, grad = self._texts("mosaic_gpu", segments=segments, lower_bound=lower_bound, T=256,
-                                tuning=pk.Tuning(segments_mgpu=segments_mgpu))
+        # document selects lower in both intra kernels.
+        fwd, grad = self._texts("mosaic_gpu", segments=segments, lower_bound=lower_bound, T=256)
         assert grad.count("custom_call @mosaic_gpu") == len(mosaic)
         for name in mosaic:
             assert name in grad, name
-        n_triton = 9 - {4: 6, 2: 3, 3: 4}[len(mosaic)]       # each Mosaic GPU kernel replaces Triton ones
+        n_triton = 9 - {4: 6, 3: 4}[len(mosaic)]       # each Mosaic GPU kernel replaces Triton ones
         assert self._triton_calls(grad) == n_triton
         assert ("kda_intra_fwd_mgpu" in fwd) == ("kda_intra_fwd_mgpu" in mosaic)
