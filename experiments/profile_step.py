@@ -80,7 +80,7 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
       ValueError: steps < 1, timed < 1, warmup < 0 or an unknown `hlo`.
     """
     from experiments.harness import CompileCounter  # noqa: PLC0415
-    from k3jax.train.step import train_step  # noqa: PLC0415
+    from k3jax.train.step import bind_train_step, train_step  # noqa: PLC0415
     if steps < 1 or timed < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1, timed >= 1, warmup >= 0, got {steps=}, {timed=}, {warmup=}")
     if hlo not in ("dump", "recompile", "none"):
@@ -96,22 +96,23 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     t0 = time.perf_counter()
     model, optimizer, data_iter = build(cfg)
     build_s = time.perf_counter() - t0
+    step = bind_train_step(model, optimizer)
     counter.reset()
     batch = _next_batch(data_iter)
     phases.clear()
     t0 = time.perf_counter()
-    jax.device_get(train_step(model, optimizer, batch))
+    jax.device_get(step(batch))
     first_step_s = time.perf_counter() - t0
     compile_stats = counter.reset()
     compile_stats["phases_s"] = dict(phases)
     for _ in range(warmup):
-        jax.device_get(train_step(model, optimizer, _next_batch(data_iter)))
+        jax.device_get(step(_next_batch(data_iter)))
     rows = []
     for _ in range(timed):
         t0 = time.perf_counter()
         batch = _next_batch(data_iter)
         t1 = time.perf_counter()
-        metrics = train_step(model, optimizer, batch)
+        metrics = step(batch)
         t2 = time.perf_counter()
         metrics = jax.device_get(metrics)
         t3 = time.perf_counter()
@@ -126,7 +127,7 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
             batch = _next_batch(data_iter)
             t0 = time.perf_counter()
             with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
-                jax.device_get(train_step(model, optimizer, batch))
+                jax.device_get(step(batch))
             traced.append(time.perf_counter() - t0)
     recompiled = {}
     if hlo == "dump":

@@ -161,6 +161,20 @@ def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch, *, loss_ch
     return metrics
 
 
+def bind_train_step(model: LanguageModel, optimizer: nnx.Optimizer, *, loss_chunk_size: int = 0):
+    """`train_step` with `model` and `optimizer` bound: `step(batch) -> metrics`, the same step and metrics.
+
+    Built on `flax.nnx.cached_partial`: the graph traversal that `nnx.jit` does on every call (flatten
+    and re-merge the model and optimizer) is done once here, so the per-step host work no longer grows
+    with the number of variables. The bound step updates the same `Variable`s, so `model` and
+    `optimizer` stay current for eval, checkpoints and reports; bind again after replacing variables
+    (e.g. restoring a checkpoint into new objects). The module structure must not change between steps
+    (flax raises if it does).
+    """
+    bound = nnx.cached_partial(train_step, model, optimizer)
+    return lambda batch: bound(batch, loss_chunk_size=loss_chunk_size)
+
+
 @functools.partial(nnx.jit, static_argnames=("loss_chunk_size",))
 def eval_step(model: LanguageModel, batch, byte_lengths=None, *, loss_chunk_size: int = 0):
     """Summed nats, predicted-token count and the UTF-8 bytes of the predicted targets on one batch (no

@@ -16,7 +16,6 @@ before any array is read.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import signal
@@ -39,7 +38,7 @@ from k3jax.train.config import RunConfig
 from k3jax.ops.cross_entropy import auto_chunk_size
 from k3jax.train.metrics import MetricsWriter
 from k3jax.train.optimizer import learning_rate_schedule, make_optimizer
-from k3jax.train.step import bits_per_byte, eval_step, nonfinite_report, train_step
+from k3jax.train.step import bind_train_step, bits_per_byte, eval_step, nonfinite_report
 
 log = logging.getLogger("k3jax")
 
@@ -292,11 +291,11 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
                                   seq_len=cfg.data.seq_len, seed=cfg.seed, eos_id=tokenizer.eos_id)
     val_batches = eval_batches(val_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                max_batches=cfg.train.eval_batches, eos_id=tokenizer.eos_id)
-    step_fn = functools.partial(train_step, loss_chunk_size=chunk) if chunk else train_step
     ckpt = Checkpointer(cfg.workdir, keep=cfg.train.keep_checkpoints)
     # None: a fresh run; a checkpoint of another tokenizer is refused before any array is read
     meta = ckpt.restore_latest(model, optimizer, data_iter, check_meta=tokenizer_check(cfg, tokenizer, ckpt.directory))
     latest = None if meta is None else int(meta["step"])
+    step_fn = bind_train_step(model, optimizer, loss_chunk_size=chunk)  # after the restore: its variables
     start_step = latest or 0
     writer = MetricsWriter(cfg.workdir, resume_step=start_step if latest is not None else None)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -361,7 +360,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True, stop_at_step: int | Non
         while step < cfg.train.steps:
             clock.dispatched()
             step += 1
-            pending.append((step, step_fn(model, optimizer, batch)))  # async: no host sync on this step
+            pending.append((step, step_fn(batch)))  # async: no host sync on this step
             # the previous step's metrics, read while this one runs; the process's first step (compilation)
             # is read at once: it starts the time budget
             flush(step if step == start_step + 1 else step - 1)

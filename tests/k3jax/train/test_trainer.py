@@ -204,20 +204,24 @@ def test_metrics_read_one_step_late_are_those_of_a_synchronous_loop(tmp_path):
 
 def test_trainer_reads_metrics_after_the_next_dispatch_and_prefetches_batches(tmp_path, monkeypatch):
     import k3jax.train.trainer as trainer_lib
-    real_step, real_host, events, ids = trainer_lib.train_step, trainer_lib._to_host, [], {}
+    real_bind, real_host, events, ids = trainer_lib.bind_train_step, trainer_lib._to_host, [], {}
 
-    def step_fn(model, optimizer, batch):
-        assert all(isinstance(v, jax.Array) for v in batch.values())  # already on the device
-        out = real_step(model, optimizer, batch)
-        ids[id(out)] = len(ids) + 1
-        events.append(("dispatch", ids[id(out)]))
-        return out
+    def bind(model, optimizer, **kwargs):
+        real_step = real_bind(model, optimizer, **kwargs)
+
+        def step_fn(batch):
+            assert all(isinstance(v, jax.Array) for v in batch.values())  # already on the device
+            out = real_step(batch)
+            ids[id(out)] = len(ids) + 1
+            events.append(("dispatch", ids[id(out)]))
+            return out
+        return step_fn
 
     def to_host(metrics):
         events.append(("read", ids[id(metrics)]))
         return real_host(metrics)
 
-    monkeypatch.setattr(trainer_lib, "train_step", step_fn)
+    monkeypatch.setattr(trainer_lib, "bind_train_step", bind)
     monkeypatch.setattr(trainer_lib, "_to_host", to_host)
     cfg = _cfg(tmp_path / "run", tmp_path / "cache", steps=9, log_every=1, eval_every=4, checkpoint_every=6)
     summary = train(cfg, show_progress=False)
@@ -439,3 +443,37 @@ def test_moe_train_step_writes_next_bias_and_eval_leaves_it():
     eval_step(model, batch)
     for f, before in zip(model.ffns, biases):
         np.testing.assert_array_equal(np.asarray(f.router_bias.get_value()), before)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_bound_train_step_equals_train_step(scan_layers):
+    """bind_train_step (graph traversal cached) gives train_step's metrics and state, bit for bit, over
+    three steps of a QB MoE model (router biases and balancing state included), and `model` stays current."""
+    from k3jax.models.config import ModelConfig, MoEConfig
+    from k3jax.models.lm import LanguageModel
+    from k3jax.train.config import TrainConfig
+    from k3jax.train.optimizer import make_optimizer
+    from k3jax.train.step import bind_train_step, train_step
+
+    cfg = ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=32, ffn="moe", mixer_pattern="KA",
+                      moe=MoEConfig(num_experts=4, top_k=2), scan_layers=scan_layers)
+    pairs = []
+    for _ in range(2):
+        model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+        pairs.append((model, nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)),
+                                           wrt=nnx.Param)))
+    (m_plain, o_plain), (m_bound, o_bound) = pairs
+    step = bind_train_step(m_bound, o_bound)
+    for i in range(3):
+        tokens = jax.random.randint(jax.random.key(i), (2, 33), 0, 256)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((2, 32), jnp.int32),
+                 "positions": jnp.broadcast_to(jnp.arange(32), (2, 32)), "loss_mask": jnp.ones((2, 32), bool)}
+        want, got = jax.device_get(train_step(m_plain, o_plain, batch)), jax.device_get(step(batch))
+        assert sorted(want) == sorted(got)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    want_state, got_state = nnx.to_pure_dict(nnx.state((m_plain, o_plain))), nnx.to_pure_dict(nnx.state((m_bound, o_bound)))
+    jax.tree.map(np.testing.assert_array_equal, got_state, want_state)
+    assert int(o_bound.step[...]) == 3
+    first = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    assert not np.array_equal(np.asarray(first.head.kernel[...]), np.asarray(m_bound.head.kernel[...]))
