@@ -53,8 +53,11 @@ def measure(shape: str, row: str, scan_layers: bool, calls: int) -> dict:
 def main(argv):
     del argv
     from experiments.harness import environment, markdown_table, write_results  # noqa: PLC0415
-    rows = [measure(_SHAPE.value, row, scan, _CALLS.value) for row in _ROWS.value for scan in (False, True)
-            if not (scan and _SHAPE.value == "tiny")]
+    unknown = set(_LAYOUTS.value) - {"unrolled", "scanned"}
+    if unknown:
+        raise ValueError(f"--layouts must be from unrolled, scanned; got {sorted(unknown)}")
+    rows = [measure(_SHAPE.value, row, layout == "scanned", _CALLS.value) for row in _ROWS.value
+            for layout in _LAYOUTS.value if not (layout == "scanned" and _SHAPE.value == "tiny")]
     env = environment()
     table = [[r["row"], "scanned" if r["scan_layers"] else "unrolled", r["variables"], f"{r['plain_call_ms']:.1f}",
               f"{r['bound_call_ms']:.1f}", f"{r['plain_call_ms'] / r['bound_call_ms']:.1f}x",
@@ -72,6 +75,7 @@ if __name__ == "__main__":
     from absl import app, flags
     _SHAPE = flags.DEFINE_enum("shape", "k3_small", ["k3_small", "1b", "tiny"], "bench_train shape (its layers).")
     _ROWS = flags.DEFINE_list("rows", ["k3_default", "like_for_like"], "bench_train rows.")
+    _LAYOUTS = flags.DEFINE_list("layouts", ["unrolled", "scanned"], "unrolled and / or scanned layers.")
     _CALLS = flags.DEFINE_integer("calls", 10, "Timed calls per row.")
     _OUT = flags.DEFINE_string("out", "/tmp/bench_dispatch", "Output prefix (<out>.json, .md).")
     app.run(main)

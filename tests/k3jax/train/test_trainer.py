@@ -90,22 +90,23 @@ def _nan_batch():
             "loss_mask": jnp.ones((1, 8), bool)}
 
 
-@pytest.mark.parametrize("where,expected", [
-    ("embed", "first non-finite activation after embed"),
-    ("mixers/1", "first non-finite activation after mixers/1 (attention)"),
-    ("ffns/0", "first non-finite activation after ffns/0 (mlp)"),
-    ("head", "first non-finite activation after final_norm/head"),
+@pytest.mark.parametrize("where,expected,scan_layers", [
+    ("embed", "first non-finite activation after embed", False),
+    ("mixers/1", "first non-finite activation after mixers/1 (attention)", False),
+    ("mixers/1", "first non-finite activation after mixers/1 (attention)", True),
+    ("ffns/0", "first non-finite activation after ffns/0 (mlp)", False),
+    ("head", "first non-finite activation after final_norm/head", False),
 ])
-def test_nonfinite_step_reports_the_layer_that_produced_it(where, expected):
-    """Issue 23: a skipped step said nothing about where the NaN came from."""
+def test_nonfinite_step_reports_the_layer_that_produced_it(where, expected, scan_layers):
+    """Issue 23: a skipped step said nothing about where the NaN came from (scanned layers too)."""
     from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
     from k3jax.train.optimizer import make_optimizer
     from k3jax.train.step import finiteness_names, nonfinite_report, train_step
 
-    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64),
-                          rngs=nnx.Rngs(0))
+    model = LanguageModel(ModelConfig(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64,
+                                      scan_layers=scan_layers), rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=10, warmup_steps=0)), wrt=nnx.Param)
     m = train_step(model, opt, _nan_batch())
     assert bool(m["finite"]) and np.asarray(m["finite_activations"]).all() and np.asarray(m["finite_grads"]).all()
@@ -142,16 +143,20 @@ def test_trainer_names_the_layer_when_it_stops_on_nonfinite_steps(tmp_path, monk
 
     import k3jax.train.trainer as trainer_lib
     from k3jax.train.trainer import NonFiniteError
-    real_step, calls = trainer_lib.train_step, []
+    real_bind, calls = trainer_lib.bind_train_step, []
 
-    def poisoned_step(model, optimizer, batch):  # from the 3rd step on, mixers/1 holds a NaN weight
-        calls.append(1)
-        if len(calls) == 3:
-            kernel = model.mixers[1].o.kernel
-            kernel.set_value(kernel.get_value().at[0, 0].set(jnp.nan))
-        return real_step(model, optimizer, batch)
+    def bind(model, optimizer, **kwargs):
+        real_step = real_bind(model, optimizer, **kwargs)
 
-    monkeypatch.setattr(trainer_lib, "train_step", poisoned_step)
+        def poisoned_step(batch):  # from the 3rd step on, mixers/1 holds a NaN weight (the bound step sees it)
+            calls.append(1)
+            if len(calls) == 3:
+                kernel = model.mixers[1].o.kernel
+                kernel.set_value(kernel.get_value().at[0, 0].set(jnp.nan))
+            return real_step(batch)
+        return poisoned_step
+
+    monkeypatch.setattr(trainer_lib, "bind_train_step", bind)
     cfg = _cfg(tmp_path / "nan", tmp_path / "cache", max_nonfinite_steps=2, checkpoint_every=100)
     with caplog.at_level(logging.WARNING, logger="k3jax"), pytest.raises(NonFiniteError) as e:
         train(cfg, show_progress=False)
@@ -445,10 +450,10 @@ def test_moe_train_step_writes_next_bias_and_eval_leaves_it():
         np.testing.assert_array_equal(np.asarray(f.router_bias.get_value()), before)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_bound_train_step_equals_train_step(scan_layers):
+def test_bound_train_step_equals_train_step(scan_layers=True):
     """bind_train_step (graph traversal cached) gives train_step's metrics and state, bit for bit, over
-    three steps of a QB MoE model (router biases and balancing state included), and `model` stays current."""
+    three steps of a scanned QB MoE model (router biases and balancing state included), and `model` stays
+    current (unrolled: test_metrics_read_one_step_late_are_those_of_a_synchronous_loop)."""
     from k3jax.models.config import ModelConfig, MoEConfig
     from k3jax.models.lm import LanguageModel
     from k3jax.train.config import TrainConfig
