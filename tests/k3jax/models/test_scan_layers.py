@@ -28,7 +28,7 @@ def _loss(model):
 def _run(cfg):
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     (loss, aux), grads = nnx.jit(nnx.value_and_grad(_loss, has_aux=True))(model)
-    diag = model.diagnostics(TOKENS[:, :-1], segment_ids=SEGMENTS)
+    diag = nnx.jit(lambda m: m.diagnostics(TOKENS[:, :-1], segment_ids=SEGMENTS))(model)
     return loss, aux, nnx.to_pure_dict(grads), diag
 
 
