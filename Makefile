@@ -27,7 +27,7 @@ train: $(VENV)/.installed
 	$(PY) -m experiments.train $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -rs --durations=30 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist=worksteal -rs --durations=30 tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

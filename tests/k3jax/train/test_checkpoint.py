@@ -85,7 +85,8 @@ def test_damaged_newest_checkpoint_falls_back_moves_it_aside_and_says_so(workdir
     assert meta == {"step": 40, "seed": 0}
     assert _marker(model) == 40.0  # step 40's parameters, not 60's, not the fresh init
     np.testing.assert_array_equal(next(it)["inputs"], next_inputs[40])  # step 40's data position
-    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # k3jax's own warnings (orbax's failed async reads may add asyncio's "Task exception was never retrieved")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("k3jax")]
     assert len(lines) == 1, lines
     line = lines[0]
     assert "\n" not in line and len(line) < 800
