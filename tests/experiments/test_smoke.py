@@ -39,8 +39,8 @@ SCRIPTS = {
                           "--iters=1", "--out={out}/ep"], ["ep.json", "ep.md"]),
     "bench_train": ("bench_train", ["--shape=tiny", "--rows=like_for_like,jla", "--steps=2", "--warmup=1",
                                     "--out={out}/train"], ["train.json", "train.md"]),
-    "bench_dispatch": ("bench_dispatch", ["--shape=tiny", "--rows=k3_default", "--calls=1",  # bench_train's other row "--out={out}/disp"],
-                       ["disp.json", "disp.md"]),
+    "bench_dispatch": ("bench_dispatch", ["--shape=tiny", "--rows=k3_default", "--calls=1", "--out={out}/disp"],
+                       ["disp.json", "disp.md"]),  # the k3_default row that bench_train's smoke leaves out
     "bench_attention": ("bench_attention", ["--shapes=1x128x1x32", "--docs_per_row=1,2", "--iters=1", "--warmup=0",
                                             "--stream_reps=1", "--out={out}/attn"], ["attn.json", "attn.md"]),
     "bench_cross_entropy": ("bench_cross_entropy", ["--tiny", "--out={out}/ce"], ["ce.json", "ce.md"]),

@@ -209,7 +209,8 @@ def test_metrics_read_one_step_late_are_those_of_a_synchronous_loop(tmp_path):
 
 def test_trainer_reads_metrics_after_the_next_dispatch_and_prefetches_batches(tmp_path, monkeypatch):
     import k3jax.train.trainer as trainer_lib
-    real_bind, real_host, events, ids = trainer_lib.bind_train_step, trainer_lib._to_host, [], {}
+    real_bind, real_host, events, outs = trainer_lib.bind_train_step, trainer_lib._to_host, [], []
+    number = lambda metrics: next(i for i, o in enumerate(outs) if o is metrics) + 1  # noqa: E731 (ids get reused)
 
     def bind(model, optimizer, **kwargs):
         real_step = real_bind(model, optimizer, **kwargs)
@@ -217,13 +218,13 @@ def test_trainer_reads_metrics_after_the_next_dispatch_and_prefetches_batches(tm
         def step_fn(batch):
             assert all(isinstance(v, jax.Array) for v in batch.values())  # already on the device
             out = real_step(batch)
-            ids[id(out)] = len(ids) + 1
-            events.append(("dispatch", ids[id(out)]))
+            outs.append(out)
+            events.append(("dispatch", number(out)))
             return out
         return step_fn
 
     def to_host(metrics):
-        events.append(("read", ids[id(metrics)]))
+        events.append(("read", number(metrics)))
         return real_host(metrics)
 
     monkeypatch.setattr(trainer_lib, "bind_train_step", bind)
