@@ -23,7 +23,7 @@
   # experiments/results/moe_balance_h200.md, is such a merge of the files in moe_balance_h200_runs/.
 
 Methods (ANCHORS.md §2): none, Switch aux loss, DeepSeek-V3 sequence-wise aux loss, DeepSeek
-loss-free bias, Quantile Balancing (exact and histogram quantile), the seed article's literal
+loss-free bias (its gamma = 1e-3, and 1e-2 as "loss_free_1e-2"), Quantile Balancing (exact and histogram quantile), the seed article's literal
 same-step threshold diversion, and capacity factor 1.0 / 1.25 (with the Switch aux loss); plus three QB
 diagnostics from experiments/results/qb_convergence.md: "quantile_histogram_2pass" (a second
 histogram inside the quantile's bin, bins² resolution, against the 1000-bin stall at MaxVio 0.2-0.5),
@@ -68,6 +68,7 @@ from absl import app, flags, logging
 from experiments.harness import CompileCounter, enable_compilation_cache, grouped_matmul_in_use
 import k3jax.train.trainer as trainer_lib
 from experiments.configs.common import define_config_file
+from experiments.qb_convergence import binomial_floor
 from k3jax.train.config import RunConfig, run_config_from_dict
 from k3jax.train.metrics import read_metrics
 
@@ -76,6 +77,7 @@ METHODS: dict[str, dict] = {
     "aux_loss": {"balancing": {"method": "aux_loss"}},
     "seq_aux_loss": {"balancing": {"method": "seq_aux_loss"}},
     "loss_free": {"balancing": {"method": "loss_free"}},
+    "loss_free_1e-2": {"balancing": {"method": "loss_free", "gamma": 1e-2}},
     "quantile_exact": {"balancing": {"method": "quantile", "quantile_estimator": "exact"}},
     "quantile_histogram": {"balancing": {"method": "quantile", "quantile_estimator": "histogram"}},
     "quantile_histogram_2pass": {"balancing": {"method": "quantile", "quantile_estimator": "histogram",
@@ -168,6 +170,14 @@ def run_config(base: dict, method: str, seed: int, *, num_experts: int, top_k: i
     return run_config_from_dict(d)
 
 
+def sampling_floor(base: dict, num_experts: int, top_k: int) -> dict:
+    """MaxVio_batch of a perfect bias at the run's batch: every (token, slot) of the ``batch_size x
+    seq_len`` tokens of a training step lands on each expert with probability 1/E, independently
+    (``qb_convergence.binomial_floor``). A balancer cannot beat this floor at that batch size."""
+    tokens = int(base["data"]["batch_size"]) * int(base["data"]["seq_len"])
+    return {"tokens_per_batch": tokens, "max_vio": binomial_floor(tokens, num_experts, top_k)}
+
+
 def _layer_mean(row: dict, stat: str) -> float | None:
     values = [v for k, v in row.items() if k.startswith("moe/") and k.endswith("/" + stat)]
     return float(np.mean(values)) if values else None
@@ -178,7 +188,8 @@ def _summarise(workdir: str, summary: dict) -> dict:
     train_rows = [r for r in rows if _layer_mean(r, "max_vio") is not None]
     steps = np.array([r["step"] for r in train_rows])
     after = steps > _WARMUP.value * _STEPS.value
-    out = {"curve_steps": steps.tolist(), "max_vio_curve": [_layer_mean(r, "max_vio") for r in train_rows]}
+    out = {"curve_steps": steps.tolist(), "max_vio_curve": [_layer_mean(r, "max_vio") for r in train_rows],
+           "curves": {stat: [_layer_mean(r, stat) for r in train_rows] for stat in STATS}}
     for stat in STATS:
         vals = np.array([_layer_mean(r, stat) for r in train_rows], dtype=np.float64)
         out[stat + "_after_warmup"] = float(vals[after].mean()) if after.any() else float("nan")
@@ -352,6 +363,10 @@ def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None
             f"{_fmt(col('dead_experts_after_warmup'), digits=2)} | "
             f"{_fmt(col('diverted_fraction_after_warmup'), 100, 2)} | {_fmt(col('tokens_per_s'), digits=0)} | "
             f"{' / '.join(f'{r["compile"]["backend_compile_s"]:.1f}' for r in runs)} |")
+    floor = meta.get("sampling_floor")
+    if floor:
+        lines += ["", f"Sampling floor of MaxVio_batch (a perfect bias, iid routing at the run's "
+                  f"{floor['tokens_per_batch']} tokens per batch, qb_convergence's method): {floor['max_vio']:.3f}."]
     if meta.get("skipped"):
         lines += ["", f"Not run (time budget {meta['time_budget_s']:.0f} s): "
                   + ", ".join(f"{m} seed {s}" for m, s in meta["skipped"])]
@@ -365,6 +380,9 @@ def write_results(results: dict[str, list[dict]], meta: dict, stem: str) -> None
     for method, runs in results.items():
         curves = np.array([r["max_vio_curve"] for r in runs], np.float64)
         ax.plot(runs[0]["curve_steps"], curves.mean(0), label=f"{method} ({len(runs)} seeds)")
+    if floor:
+        ax.axhline(floor["max_vio"], color="k", ls="--", lw=1,
+                   label=f"sampling floor of a perfect bias ({floor['max_vio']:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
     ax.set_yscale("log")
@@ -405,7 +423,8 @@ def main(argv):
             "warmup_frac": _WARMUP.value, "order": _ORDER.value, "time_budget_s": _BUDGET.value,
             "compilation_cache_dir": _CACHE_DIR.value, "grouped_matmul": grouped_matmul_in_use(),
             "skipped": [], "methods": list(_METHODS.value), "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "base_config": base}
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "base_config": base,
+            "sampling_floor": sampling_floor(base, _EXPERTS.value, _TOP_K.value)}
     plan = run_order(list(_METHODS.value), [int(s) for s in _SEEDS.value], _ORDER.value)
     used = used_workdirs(_ROOT.value, plan)
     if used:  # the trainer would RESUME those runs (from another --steps/--config) and report stale metrics

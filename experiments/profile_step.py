@@ -96,7 +96,9 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     t0 = time.perf_counter()
     model, optimizer, data_iter = build(cfg)
     build_s = time.perf_counter() - t0
-    step = bind_train_step(model, optimizer)
+    from k3jax.train.trainer import loss_chunk_size  # noqa: PLC0415
+    chunk = loss_chunk_size(cfg)
+    step = bind_train_step(model, optimizer, loss_chunk_size=chunk)  # the trainer's step
     counter.reset()
     batch = _next_batch(data_iter)
     phases.clear()
@@ -134,7 +136,7 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
         hlo_text = read_hlo_dump(os.path.join(trace_dir, "hlo"), keep_only=True)
     elif hlo == "recompile":
         counter.reset()
-        hlo_text = train_step.lower(model, optimizer, _next_batch(data_iter)).compile().as_text()
+        hlo_text = train_step.lower(model, optimizer, _next_batch(data_iter), loss_chunk_size=chunk).compile().as_text()
         recompiled = counter.reset()
     else:
         hlo_text = None

@@ -139,7 +139,7 @@ def test_merge_rejects_duplicates_and_mismatched_runs(tmp_path):
 
 def test_methods_table_rows_build_valid_configs(tmp_path):
     base = _tiny_base()
-    assert len(moe_balance.METHODS) == 12
+    assert len(moe_balance.METHODS) == 13
     for method in moe_balance.METHODS:
         cfg = moe_balance.run_config(base, method, 1, num_experts=4, top_k=2, steps=2, workdir_root=str(tmp_path))
         assert cfg.seed == 1 and cfg.model.ffn == "moe" and cfg.workdir.endswith(f"{method}/seed1")
@@ -152,6 +152,18 @@ def test_methods_table_rows_build_valid_configs(tmp_path):
     it4 = moe_balance.run_config(base, "quantile_exact_iter4", 0, num_experts=4, top_k=2, steps=2,
                                  workdir_root=str(tmp_path)).model.moe.balancing
     assert (it4.method, it4.quantile_estimator, it4.quantile_iterations) == ("quantile", "exact", 4)
+    lf = moe_balance.run_config(base, "loss_free_1e-2", 0, num_experts=4, top_k=2, steps=2,
+                                workdir_root=str(tmp_path)).model.moe.balancing
+    assert (lf.method, lf.gamma) == ("loss_free", 1e-2)
+
+
+def test_sampling_floor_is_the_binomial_maxvio_of_the_batch():
+    base = {"data": {"batch_size": 4, "seq_len": 256}}
+    floor = moe_balance.sampling_floor(base, 16, 2)
+    assert floor["tokens_per_batch"] == 1024
+    # 2048 slots over 16 experts: mean 128, std ~11; E[max] of 16 such cells is ~1.8 std above the mean
+    assert 0.1 < floor["max_vio"] < 0.25
+    assert moe_balance.sampling_floor({"data": {"batch_size": 64, "seq_len": 256}}, 16, 2)["max_vio"] < floor["max_vio"] / 3
 
 
 def test_import_defines_no_flags_and_budget_estimate_drops_compile_time():

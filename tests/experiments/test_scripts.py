@@ -23,10 +23,15 @@ from tests.repo import REPO
 
 
 def test_gpu_configs_are_matched():
-    from experiments.configs import k3_small_gpu, moe_balance_gpu, transformer_small_gpu
+    from experiments.configs import k3_small_gpu, moe_balance_gpu, moe_balance_k3_small_gpu, transformer_small_gpu
     k3 = run_config_from_dict(k3_small_gpu.get_config())
     base = run_config_from_dict(transformer_small_gpu.get_config())
     run_config_from_dict(moe_balance_gpu.get_config())
+    balance = run_config_from_dict(moe_balance_k3_small_gpu.get_config()).model
+    for field in ("d_model", "num_heads", "head_dim", "dtype"):  # the balancing study's MoE is K3-small's
+        assert getattr(balance, field) == getattr(k3.model, field), field
+    assert (balance.moe.num_experts, balance.moe.top_k, balance.moe.d_ff) == (
+        k3.model.moe.num_experts, k3.model.moe.top_k, k3.model.moe.d_ff)
     assert k3.model.layer_mixers.count("K") == 3 * k3.model.layer_mixers.count("A")
     assert (k3.model.ffn, k3.model.moe.balancing.method, k3.model.residual.kind, k3.model.dtype) == (
         "moe", "quantile", "block_attnres", "bfloat16")
