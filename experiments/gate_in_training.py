@@ -1,0 +1,182 @@
+"""The KDA gate in training (issue 27, part 3): K3-small with the bounded gate vs Kimi Linear's softplus gate.
+
+  python -m experiments.gate_in_training --out=$OUT/gate_in_training_h200 --workdir_root=/tmp/gate_runs \
+      --time_budget_s=240                     # one H200: K3-small (configs/k3_small_gpu.py), both gates
+  python -m experiments.gate_in_training --tiny --steps=4 --out=/tmp/git --workdir_root=/tmp/git_runs  # CPU
+
+Per gate, in one process, the same config except `model.kda.gate` (data order, schedule and seed equal):
+ 1. train with `k3jax.train.trainer.train` (`--time_budget_s` of training after the compiling first
+    step; the softplus run stops at the step the bounded run reached, so both see the same tokens);
+    "bounded" runs the kernels of the declared lower bound, "softplus" the op's unbounded path (the
+    `kda.implementation=None` choice for an undeclared bound);
+ 2. report validation loss, bits/byte, tokens/s and the step reached;
+ 3. reload the trained model and run it eagerly on `--span_batches` validation batches, recording the
+    log-decay g [B, T, H, K] of every KDA layer where the layer computes it (`kda_gate`), and report per
+    tile length C in `--tiles` the span of each (row, tile, head): max over the K channels of -Σ g over
+    the tile's C tokens, in nats. That is the largest exponent of the forced single-GEMM diagonal tile's
+    operand k·exp(a - G) with the anchor a at the tile start (`gate_stability.tile_stats`); the tile
+    overflows bf16/fp32 when the span exceeds ln(float32 max) = 88.72. The table gives the fraction of
+    overflowing tiles and the span's quantiles per gate (the bounded gate's span is at most C·|lower_bound|).
+Writes <out>.json and <out>.md (date, device, versions).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from unittest import mock
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+OVERFLOW_NATS = float(np.log(np.finfo(np.float32).max))  # bf16 has fp32's exponent range
+GATES = ("bounded", "softplus")
+
+
+def tile_spans(g, tile: int) -> np.ndarray:
+    """Spans [B, T // tile, H] (nats) of `g [B, T, H, K]` (log-decays <= 0): max over K of -Σ g over each
+    `tile`-token tile; trailing tokens that do not fill a tile are left out.
+
+    Raises:
+      ValueError: g not 4-D, or `tile` not a positive int.
+    """
+    g = np.asarray(g, np.float64)
+    if g.ndim != 4:
+        raise ValueError(f"g must be [B, T, H, K], got {g.shape=}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile must be a positive int, got {tile=}")
+    B, T, H, K = g.shape
+    n = T // tile
+    return (-g[:, :n * tile].reshape(B, n, tile, H, K).sum(axis=2)).max(axis=-1)
+
+
+@contextlib.contextmanager
+def recording_gates():
+    """Within the block, every `KimiDeltaAttention` layer's g (the output of `kda_gate`) is appended to
+    the yielded list as a host array. Run the model eagerly (not under jit or scan)."""
+    import k3jax.nn.kda as kda_module  # noqa: PLC0415
+    recorded, original = [], kda_module.kda_gate
+
+    def record(*args, **kwargs):
+        g = original(*args, **kwargs)
+        recorded.append(np.asarray(g))
+        return g
+
+    with mock.patch.object(kda_module, "kda_gate", record):
+        yield recorded
+
+
+def span_stats(spans: list[np.ndarray]) -> dict:
+    """Fraction of tiles over OVERFLOW_NATS and span quantiles, over every layer, row, tile and head."""
+    flat = np.concatenate([s.ravel() for s in spans])
+    q = np.quantile(flat, [0.5, 0.99, 0.999])
+    return {"tiles": int(flat.size), "overflow_fraction": float(np.mean(flat > OVERFLOW_NATS)),
+            "p50": float(q[0]), "p99": float(q[1]), "p99.9": float(q[2]), "max": float(flat.max()),
+            "overflow_fraction_per_layer": [float(np.mean(s > OVERFLOW_NATS)) for s in spans]}
+
+
+def evaluate_run(cfg, tiles: list[int], span_batches: int) -> dict:
+    """Reload `cfg.workdir`'s newest checkpoint: validation loss on the trainer's validation slice and its
+    gates' tile spans on the first `span_batches` validation batches (module docstring).
+
+    Raises:
+      ValueError: `cfg.model.scan_layers` (the gates are read eagerly, layer by layer).
+    """
+    import jax.numpy as jnp  # noqa: PLC0415
+    from k3jax.data.corpus import load_corpus  # noqa: PLC0415
+    from k3jax.data.pipeline import eval_batches  # noqa: PLC0415
+    from k3jax.train.trainer import evaluate, load_trained_model, loss_chunk_size, run_tokenizer  # noqa: PLC0415
+    if cfg.model.scan_layers:
+        raise ValueError("model.scan_layers: the gates are read eagerly layer by layer; use unrolled layers")
+    tokenizer = run_tokenizer(cfg)
+    model, step = load_trained_model(cfg, tokenizer=tokenizer)
+    val = load_corpus(cfg.data.source, "validation", cache_dir=cfg.data.cache_dir or None, tokenizer=tokenizer)
+    if val.num_tokens <= cfg.data.seq_len:  # as the trainer: tiny corpora evaluate on the train stream
+        val = load_corpus(cfg.data.source, "train", cache_dir=cfg.data.cache_dir or None, tokenizer=tokenizer)
+    batches = list(eval_batches(val.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                                max_batches=max(cfg.train.eval_batches, span_batches), eos_id=tokenizer.eos_id))
+    result = {"checkpoint_step": step, **evaluate(model, batches[:cfg.train.eval_batches],
+                                                  loss_chunk_size=loss_chunk_size(cfg))}
+    result.pop("val_bytes_per_token", None)
+    spans = {c: [] for c in tiles}
+    for batch in batches[:span_batches]:
+        with recording_gates() as gs:
+            model(jnp.asarray(batch["inputs"]), segment_ids=jnp.asarray(batch["segment_ids"]),
+                  positions=jnp.asarray(batch["positions"]), train=False)
+        for c in tiles:
+            spans[c] += [tile_spans(g, c) for g in gs]
+    result["kda_layers"] = len(spans[tiles[0]]) // max(min(span_batches, len(batches)), 1)
+    result["spans"] = {str(c): span_stats(s) for c, s in spans.items()}
+    return result
+
+
+def render(result: dict) -> str:
+    from experiments.harness import environment_line, markdown_table  # noqa: PLC0415
+    lines = ["# The KDA gate in training: bounded vs softplus (issue 27 part 3)", "",
+             environment_line(result["env"]), "",
+             f"Config `{result['config_file']}`{' (--tiny)' if result['tiny'] else ''}; the same run per gate but "
+             "`model.kda.gate`. Span = max over channels of -Σ g over a tile (nats); a forced single bf16 GEMM "
+             f"tile overflows above {OVERFLOW_NATS:.2f}.", ""]
+    rows = []
+    for gate, r in result["runs"].items():
+        for c, s in r["spans"].items():
+            rows.append([gate, r["step"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{r['tokens_per_s']:,.0f}",
+                         c, f"{s['overflow_fraction']:.2e}", f"{s['p50']:.1f}", f"{s['p99']:.1f}", f"{s['max']:.1f}"])
+    lines += markdown_table(["gate", "steps", "val loss", "val bpb", "tokens/s", "tile C", "overflowing tiles",
+                             "span p50", "span p99", "span max"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def _define_flags():
+    global _CONFIG, _STEPS, _BUDGET, _ROOT, _OUT, _TILES, _SPAN_BATCHES, _TINY
+    from experiments.configs.common import define_config_file  # noqa: PLC0415
+    _CONFIG = define_config_file("config", "experiments/configs/k3_small_gpu.py", "Run config (both gates).")
+    _STEPS = flags.DEFINE_integer("steps", 0, "Training steps (0 = the config's train.steps).")
+    _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Training seconds per run after its first step (0 = none).")
+    _ROOT = flags.DEFINE_string("workdir_root", "runs/gate_in_training", "Run folders <root>/<gate>; must be fresh.")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_gate_in_training/gate_in_training", "Output prefix (.json, .md).")
+    _TILES = flags.DEFINE_list("tiles", ["16", "64"], "Tile lengths C of the span measurement.")
+    _SPAN_BATCHES = flags.DEFINE_integer("span_batches", 2, "Validation batches whose gates are measured.")
+    _TINY = flags.DEFINE_bool("tiny", False, "A CPU smoke size (d 32, 2 layers KA, 2 x 64 tokens).")
+
+
+def main(argv):
+    del argv
+    from experiments.harness import environment, write_results  # noqa: PLC0415
+    from k3jax.train.config import run_config_from_dict  # noqa: PLC0415
+    from k3jax.train.trainer import train  # noqa: PLC0415
+    base = _CONFIG.value.to_dict()
+    if _TINY.value:
+        base["model"].update(d_model=32, num_layers=2, mixer_pattern="KA", num_heads=2, head_dim=16, d_ff=64)
+        base["model"]["moe"].update(num_experts=4, d_ff=32)
+        base["model"]["residual"].update(blocks=2)
+        base["data"].update(seq_len=64, batch_size=2)
+        base["train"].update(eval_batches=1)
+    if _STEPS.value:
+        base["train"].update(steps=_STEPS.value, eval_every=_STEPS.value, checkpoint_every=_STEPS.value,
+                             warmup_steps=min(base["train"]["warmup_steps"], max(_STEPS.value // 10, 1)))
+    tiles = [int(c) for c in _TILES.value]
+    runs, reached = {}, None
+    for gate in GATES:
+        d = json.loads(json.dumps(base))
+        d["model"]["kda"]["gate"] = gate
+        d["workdir"] = os.path.join(_ROOT.value, gate)
+        if os.path.isdir(d["workdir"]) and os.listdir(d["workdir"]):
+            raise ValueError(f"--workdir_root: {d['workdir']} is not empty (the trainer would resume it)")
+        cfg = run_config_from_dict(d)
+        stop = reached if reached is not None and reached < cfg.train.steps else None  # equal tokens
+        summary = train(cfg, show_progress=False, stop_at_step=stop, time_budget_s=_BUDGET.value or None)
+        reached = reached or int(summary["step"])
+        runs[gate] = {"step": int(summary["step"]), "tokens_per_s": summary["tokens_per_s"],
+                      **evaluate_run(cfg, tiles, _SPAN_BATCHES.value)}
+    result = {"env": environment(), "config_file": config_flags.get_config_filename(flags.FLAGS["config"]), "tiny": _TINY.value,
+              "base_config": base, "runs": runs}
+    text = render(result)
+    write_results(_OUT.value, result, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)

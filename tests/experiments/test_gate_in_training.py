@@ -1,0 +1,43 @@
+"""experiments/gate_in_training.py: the tile span of a gate and the recording of every KDA layer's g."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import gate_in_training as git
+from k3jax.nn.kda import KimiDeltaAttention
+
+
+def test_tile_span_is_the_largest_channel_decay_over_the_tile():
+    rng = np.random.default_rng(0)
+    g = -rng.exponential(1.0, (2, 37, 3, 4))  # 37 tokens: two 16-token tiles, 5 tokens left out
+    spans = git.tile_spans(g, 16)
+    assert spans.shape == (2, 2, 3)
+    for b in range(2):
+        for n in range(2):
+            for h in range(3):
+                expected = max(-g[b, 16 * n:16 * (n + 1), h, k].sum() for k in range(4))
+                assert spans[b, n, h] == pytest.approx(expected)
+    # the bounded gate's span never passes tile * |lower_bound|, so 16-token tiles never overflow at -5
+    assert git.tile_spans(np.full((1, 32, 1, 2), -5.0), 16).max() == pytest.approx(80.0)
+    assert git.span_stats([git.tile_spans(np.full((1, 32, 1, 2), -5.0), 16)])["overflow_fraction"] == 0.0
+    assert git.span_stats([git.tile_spans(np.full((1, 32, 1, 2), -6.0), 16)])["overflow_fraction"] == 1.0
+    with pytest.raises(ValueError, match="tile"):
+        git.tile_spans(g, 0)
+    with pytest.raises(ValueError, match="g must be"):
+        git.tile_spans(g[0], 16)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_recording_gates_sees_the_layers_g(gate):
+    layer = KimiDeltaAttention(16, 2, 8, gate=gate, chunk_size=16, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (1, 32, 16))
+    with git.recording_gates() as gs:
+        out = layer(x, segment_ids=jnp.ones((1, 32), jnp.int32), positions=jnp.zeros((1, 32), jnp.int32))
+    assert len(gs) == 1 and gs[0].shape == (1, 32, 2, 8) and np.all(gs[0] <= 0)
+    g, _, _ = layer._gates(x.astype(jnp.bfloat16))
+    np.testing.assert_allclose(gs[0], np.asarray(g), rtol=1e-6, atol=1e-6)
+    assert out.shape == x.shape
+    if gate == "bounded":
+        assert gs[0].min() >= -5.0
