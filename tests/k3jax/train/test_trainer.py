@@ -328,7 +328,9 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
             "--config.train.steps=300", "--config.train.warmup_steps=2", "--config.train.eval_every=1000",
             "--config.train.eval_batches=1", "--config.train.log_every=1", "--config.train.checkpoint_every=1000",
             "--config.train.sample_tokens=0"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    # one persistent compilation cache for the three processes: the later two load the step, not compile it
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     workdir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
