@@ -9,13 +9,25 @@ fixes both the parameter init and grain's shuffle, so variants differ only in th
       --workdir=runs/depth_residuals_L32 --out=experiments/results/depth_residuals_L32
   python -m experiments.depth_residuals --variants=prenorm --steps=188 \
       --workdir=runs/depth_residuals_1p25x --out=experiments/results/depth_residuals_prenorm_1p25x
-  python -m experiments.depth_residuals --depths=32,12 --d_model=256 --num_heads=4 --head_dim=64 \
-      --d_ff=768 --seq_len=1024 --batch_size=32 --steps=5000 --dtype=bfloat16   # GPU-sized (issue)
+  python -m experiments.depth_residuals --depths=32 --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 \
+      --seq_len=1024 --batch_size=16 --steps=600 --dtype=bfloat16 --token_multipliers=1.25,1.5 \
+      --parallel=6 --split_seeds --timing_steps=40 --compilation_cache_dir=/tmp/jax_cache   # one H200 (issue 27)
+  python -m experiments.depth_residuals --merge=a.json,b.json --out=...   # sweeps of other seeds, one table
+
+PreNorm at `--token_multipliers` × the steps (same schedule shape, the same warmup) gives the loss-vs-tokens
+curve from which each variant's compute-equivalent multiplier is read: per seed, the fit
+val_loss = a + b·ln(m) through PreNorm's points, solved for the variant's val loss (beyond the largest
+multiplier it is an extrapolation, marked so).
 
 Per run it records the final validation loss (nats/token) and bits/byte, training tokens/s (first step,
 which compiles, excluded), the validation curve, peak memory, and depth diagnostics of the trained model
 (`LanguageModel.diagnostics` on the first validation batch: per-sublayer input RMS, cosine between
 consecutive sublayer inputs, the sublayer x source depth-weight matrix of the AttnRes variants).
+
+With `--parallel=N` up to N isolated workers share the device (each told to preallocate 0.9/N of its memory):
+their tokens/s are shares of one device. `--timing_steps=K` then trains each variant alone for K steps, one
+after another, and reports those tokens/s (the step-time overhead vs PreNorm); with
+`--compilation_cache_dir` they load the sweep's compiled step instead of compiling it again.
 
 Peak memory: each (variant, depth) runs in its own subprocess (`--isolate`, default) that trains its
 seeds one after another, so one compile serves all seeds. On CPU we report that process's peak resident
@@ -82,6 +94,16 @@ def _define_flags():
     flags.DEFINE_string(
         "report_from", "", "Rewrite <out>.md and the plots from this existing results JSON (keeps its date, machine "
         "and raw numbers; adds --notes_file) instead of training.")
+    flags.DEFINE_list("token_multipliers", [], "PreNorm also at these multiples of --steps (e.g. 1.25,1.5): "
+                      "the loss-vs-tokens curve of the compute-equivalent multiplier.")
+    flags.DEFINE_integer("parallel", 1, "Isolated workers run at once (they share the device).")
+    flags.DEFINE_bool("split_seeds", False, "One worker per (variant, depth, seed) instead of per (variant, "
+                      "depth): more compiles, more parallelism.")
+    flags.DEFINE_integer("timing_steps", 0, "After the sweep, train each variant alone for this many steps "
+                         "(seed 0) and report its tokens/s; 0 = no timing pass.")
+    flags.DEFINE_string("compilation_cache_dir", "", "JAX persistent compilation cache shared by the workers.")
+    flags.DEFINE_list("merge", [], "Result JSONs of sweeps with the same settings (e.g. other seeds): write one "
+                      "table from their groups to --out instead of training.")
     flags.DEFINE_string("worker", "", "Internal: JSON {settings, variant, depth, out} run by a subprocess.")
 
 
@@ -147,8 +169,41 @@ def _device_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: list[int], workdir: str) -> dict:
-    """Train `variant` at `num_layers` for each seed (in this process) and return raw results."""
+def scaled_settings(settings: Settings, token_multiplier: float) -> Settings:
+    """`settings` with `token_multiplier` × the steps (warmup and eval cadence unchanged).
+
+    Raises:
+      ValueError: a multiplier <= 0.
+    """
+    if not token_multiplier > 0:
+        raise ValueError(f"token_multiplier must be > 0, got {token_multiplier=}")
+    return dataclasses.replace(settings, steps=max(1, round(settings.steps * token_multiplier)))
+
+
+def group_key(group: dict) -> tuple:
+    return group["variant"], group["num_layers"], group.get("token_multiplier", 1.0)
+
+
+def group_label(group: dict) -> str:
+    m = group.get("token_multiplier", 1.0)
+    return group["variant"] if m == 1.0 else f"{group['variant']} ×{m:g} tokens"
+
+
+def timing_run(settings: Settings, variant: str, num_layers: int, steps: int, workdir: str) -> dict:
+    """Train `variant` for `steps` steps (seed 0, no eval before the end) and return its tokens/s (the trainer's:
+    the compiling first step left out)."""
+    from k3jax.train.trainer import train
+    s = dataclasses.replace(settings, steps=steps, eval_every=steps, eval_batches=1, warmup_steps=1)
+    cfg = run_config(s, variant, num_layers, 0, os.path.join(workdir, f"timing_{variant}_L{num_layers}"))
+    shutil.rmtree(cfg.workdir, ignore_errors=True)
+    summary = train(cfg, show_progress=False)
+    return {"variant": variant, "num_layers": num_layers, "steps": steps, "tokens_per_s": summary["tokens_per_s"]}
+
+
+def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: list[int], workdir: str,
+                     token_multiplier: float = 1.0) -> dict:
+    """Train `variant` at `num_layers` for each seed (in this process) and return raw results; `settings`
+    already carries the steps of `token_multiplier` (recorded in the result)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -174,7 +229,8 @@ def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: l
     runs = []
     group_start = time.time()
     for seed in seeds:
-        cfg = run_config(settings, variant, num_layers, seed, os.path.join(workdir, f"{variant}_L{num_layers}_s{seed}"))
+        cfg = run_config(settings, variant, num_layers, seed,
+                         os.path.join(workdir, f"{_group_stem(variant, num_layers, token_multiplier)}_s{seed}"))
         shutil.rmtree(cfg.workdir, ignore_errors=True)  # a fresh run, never a resume
         t0 = time.time()
         summary = train(cfg, show_progress=False)
@@ -196,6 +252,7 @@ def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: l
         print(f"{variant} L={num_layers} seed={seed}: val {run['val_loss']:.4f} nats, {run['val_bpb']:.4f} bits/byte, "
               f"{run['tokens_per_s']:,.0f} tok/s, {wall:.0f} s", flush=True)
     return {"variant": variant, "num_layers": num_layers, "num_sublayers": 2 * num_layers,
+            "token_multiplier": token_multiplier,
             "residual_blocks": residual_blocks_for(variant, num_layers, settings.residual_blocks),
             "settings": dataclasses.asdict(settings), "seeds": seeds, "runs": runs,
             "group_wall_seconds": time.time() - group_start,
@@ -203,52 +260,126 @@ def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: l
             "device_peak_bytes": _device_peak_bytes(), "platform": jax.local_devices()[0].platform}
 
 
-def _group_path(workdir: str, variant: str, num_layers: int) -> str:
-    return os.path.join(workdir, f"result_{variant}_L{num_layers}.json")
+def _group_stem(variant: str, num_layers: int, token_multiplier: float = 1.0) -> str:
+    tag = "" if token_multiplier == 1.0 else "_x" + f"{token_multiplier:g}".replace(".", "p")
+    return f"{variant}_L{num_layers}{tag}"
 
 
-def _run_isolated(settings: Settings, variant: str, num_layers: int, seeds: list[int], workdir: str) -> dict:
-    path = _group_path(workdir, variant, num_layers)
-    spec = json.dumps({"settings": dataclasses.asdict(settings), "variant": variant, "num_layers": num_layers,
-                       "seeds": seeds, "workdir": workdir, "out": path})
-    subprocess.run([sys.executable, "-m", "experiments.depth_residuals", f"--worker={spec}", "--verbosity=-1"],
-                   check=True)
-    with open(path) as f:
+def _group_path(workdir: str, variant: str, num_layers: int, token_multiplier: float = 1.0,
+                seeds: list[int] | None = None) -> str:
+    tag = "" if seeds is None else "_s" + "-".join(str(s) for s in seeds)
+    return os.path.join(workdir, f"result_{_group_stem(variant, num_layers, token_multiplier)}{tag}.json")
+
+
+def _run_isolated(spec: dict, parallel: int, cache_dir: str) -> dict:
+    env = dict(os.environ)
+    if parallel > 1:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
+    args = [sys.executable, "-m", "experiments.depth_residuals", f"--worker={json.dumps(spec)}", "--verbosity=-1"]
+    if cache_dir:
+        args.append(f"--compilation_cache_dir={cache_dir}")
+    subprocess.run(args, check=True, env=env)
+    with open(spec["out"]) as f:
         return json.load(f)
 
 
-def run_sweep(settings: Settings, variants, depths, seeds, *, workdir: str, isolate: bool = True,
-              reuse: bool = True) -> list[dict]:
-    """Run every (variant, depth) over `seeds`; returns one raw-result dict per (variant, depth).
+def merge_groups(groups: list[dict]) -> list[dict]:
+    """Groups of the same (variant, depth, token multiplier) combined into one (their runs by seed), in
+    first-seen order.
 
     Raises:
-      ValueError: an unknown variant, or an empty variants/depths/seeds list.
+      ValueError: groups of one key with different settings, or a seed in two of them.
+    """
+    merged: dict[tuple, dict] = {}
+    for g in groups:
+        key = group_key(g)
+        if key not in merged:
+            merged[key] = json.loads(json.dumps(g))
+            continue
+        m = merged[key]
+        if m["settings"] != g["settings"]:
+            raise ValueError(f"groups of {key} have different settings: {m['settings']} vs {g['settings']}")
+        twice = {r["seed"] for r in m["runs"]} & {r["seed"] for r in g["runs"]}
+        if twice:
+            raise ValueError(f"seeds {sorted(twice)} of {key} are in more than one group")
+        m["runs"] = sorted(m["runs"] + g["runs"], key=lambda r: r["seed"])
+        m["seeds"] = [r["seed"] for r in m["runs"]]
+        m["group_wall_seconds"] += g["group_wall_seconds"]
+        for k in ("rss_peak_mib", "device_peak_bytes"):
+            if g.get(k) is not None:
+                m[k] = max(m.get(k) or 0, g[k])
+    return list(merged.values())
+
+
+def run_sweep(settings: Settings, variants, depths, seeds, *, workdir: str, isolate: bool = True,
+              reuse: bool = True, token_multipliers=(), parallel: int = 1, split_seeds: bool = False,
+              cache_dir: str = "") -> list[dict]:
+    """Run every (variant, depth) over `seeds`, and PreNorm at each of `token_multipliers` × the steps;
+    returns one raw-result dict per (variant, depth, multiplier). With `isolate`, up to `parallel` worker
+    processes at once, one per (variant, depth, multiplier) or, with `split_seeds`, per seed as well.
+
+    Raises:
+      ValueError: an unknown variant, an empty variants/depths/seeds list, a multiplier <= 0, or
+        parallel / split_seeds without isolate.
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"variants must be from {VARIANTS}, got {unknown}")
     if not variants or not depths or not seeds:
         raise ValueError(f"variants, depths and seeds must be non-empty, got {variants=}, {depths=}, {seeds=}")
+    if not isolate and (parallel > 1 or split_seeds):
+        raise ValueError("parallel > 1 and split_seeds need isolate (one process per worker)")
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel=}")
+    multipliers = [float(m) for m in token_multipliers]
+    for m in multipliers:
+        scaled_settings(settings, m)  # validates
     os.makedirs(workdir, exist_ok=True)
-    groups = []
+    jobs = []  # (variant, depth, multiplier, seeds)
+    for num_layers in depths:
+        for variant, m in [(v, 1.0) for v in variants] + [("prenorm", m) for m in multipliers if m != 1.0]:
+            for chunk in ([[s] for s in seeds] if split_seeds else [list(seeds)]):
+                jobs.append((variant, num_layers, m, chunk))
+
+    def run_job(job):
+        variant, num_layers, m, chunk = job
+        s = scaled_settings(settings, m)
+        path = _group_path(workdir, variant, num_layers, m, chunk if split_seeds else None)
+        if reuse and os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            if old["settings"] == dataclasses.asdict(s) and old["seeds"] == chunk:
+                print(f"reusing {path}", flush=True)
+                return old
+        if isolate:
+            spec = {"settings": dataclasses.asdict(s), "variant": variant, "num_layers": num_layers,
+                    "token_multiplier": m, "seeds": chunk, "workdir": workdir, "out": path}
+            return _run_isolated(spec, parallel, cache_dir)
+        group = run_config_group(s, variant, num_layers, chunk, workdir, m)
+        with open(path, "w") as f:
+            json.dump(group, f)
+        return group
+
+    if parallel > 1:
+        import concurrent.futures  # noqa: PLC0415
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            groups = list(pool.map(run_job, jobs))
+    else:
+        groups = [run_job(job) for job in jobs]
+    return merge_groups(groups)
+
+
+def run_timing(settings: Settings, variants, depths, steps: int, *, workdir: str, cache_dir: str = "") -> list[dict]:
+    """Each (variant, depth) trained alone for `steps` steps, one process after another (`timing_run`)."""
+    out = []
     for num_layers in depths:
         for variant in variants:
-            path = _group_path(workdir, variant, num_layers)
-            if reuse and os.path.exists(path):
-                with open(path) as f:
-                    old = json.load(f)
-                if old["settings"] == dataclasses.asdict(settings) and old["seeds"] == list(seeds):
-                    print(f"reusing {path}", flush=True)
-                    groups.append(old)
-                    continue
-            if isolate:
-                group = _run_isolated(settings, variant, num_layers, list(seeds), workdir)
-            else:
-                group = run_config_group(settings, variant, num_layers, list(seeds), workdir)
-                with open(path, "w") as f:
-                    json.dump(group, f)
-            groups.append(group)
-    return groups
+            path = os.path.join(workdir, f"timing_{variant}_L{num_layers}.json")
+            spec = {"settings": dataclasses.asdict(settings), "variant": variant, "num_layers": num_layers,
+                    "timing_steps": steps, "workdir": workdir, "out": path}
+            out.append(_run_isolated(spec, 1, cache_dir))
+            print(f"timing {variant} L={num_layers}: {out[-1]['tokens_per_s']:,.0f} tok/s alone", flush=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,21 +398,55 @@ def _peak_mib(group: dict) -> float:
     return group["rss_peak_mib"]
 
 
-def summary_rows(groups: list[dict]) -> list[dict]:
-    """One row per (variant, depth): mean/std over seeds, and the paired difference to prenorm's
-    val loss at the same depth and seed (same tokens) when prenorm was run."""
-    baseline = {(g["num_layers"], r["seed"]): r["val_loss"] for g in groups if g["variant"] == "prenorm"
-                for r in g["runs"]}
+def compute_equivalent(groups: list[dict], num_layers: int, seed: int, val_loss: float) -> tuple[float, bool]:
+    """The PreNorm token multiplier that reaches `val_loss` at `num_layers`, from the fit
+    val_loss = a + b·ln(m) through PreNorm's runs of `seed` at every multiplier it ran (least squares).
+    Returns (multiplier, extrapolated: outside the multipliers PreNorm ran); nan when PreNorm ran at fewer
+    than two multipliers for the seed or its loss does not fall with tokens."""
+    points = [(g.get("token_multiplier", 1.0), r["val_loss"]) for g in groups
+              if g["variant"] == "prenorm" and g["num_layers"] == num_layers for r in g["runs"] if r["seed"] == seed]
+    if len({m for m, _ in points}) < 2:
+        return float("nan"), False
+    xs = [math.log(m) for m, _ in points]
+    ys = [y for _, y in points]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    if not b < 0:
+        return float("nan"), False
+    m = math.exp((val_loss - (y_mean - b * x_mean)) / b)
+    ms = [mm for mm, _ in points]
+    return m, not min(ms) <= m <= max(ms)
+
+
+def summary_rows(groups: list[dict], timing: list[dict] | None = None) -> list[dict]:
+    """One row per (variant, depth, token multiplier): mean/std over seeds; the paired difference to
+    prenorm's val loss at the same depth and seed (same tokens) when prenorm was run; the compute-equivalent
+    PreNorm multiplier (`compute_equivalent`, per seed, then mean/std) when PreNorm ran at several
+    multipliers; tokens/s alone and the step-time overhead vs PreNorm from `timing`."""
+    baseline = {(g["num_layers"], r["seed"]): r["val_loss"] for g in groups
+                if g["variant"] == "prenorm" and g.get("token_multiplier", 1.0) == 1.0 for r in g["runs"]}
+    solo = {(t["variant"], t["num_layers"]): t["tokens_per_s"] for t in timing or []}
     rows = []
     for g in groups:
         runs = g["runs"]
-        row = {"variant": g["variant"], "num_layers": g["num_layers"], "residual_blocks": g["residual_blocks"],
+        m = g.get("token_multiplier", 1.0)
+        row = {"variant": g["variant"], "label": group_label(g), "token_multiplier": m,
+               "num_layers": g["num_layers"], "residual_blocks": g["residual_blocks"],
                "seeds": len(runs), "num_params": runs[0]["num_params"]}
         for key in ("val_loss", "val_bpb", "tokens_per_s", "wall_seconds"):
             row[key], row[key + "_std"] = _mean_std([r[key] for r in runs])
         diffs = [r["val_loss"] - baseline[(g["num_layers"], r["seed"])] for r in runs
                  if (g["num_layers"], r["seed"]) in baseline]
         row["delta_vs_prenorm"], row["delta_vs_prenorm_std"] = _mean_std(diffs) if diffs else (float("nan"),) * 2
+        eq = [compute_equivalent(groups, g["num_layers"], r["seed"], r["val_loss"]) for r in runs]
+        eq = [e for e in eq if not math.isnan(e[0])] if g["variant"] != "prenorm" and m == 1.0 else []
+        row["compute_equivalent"], row["compute_equivalent_std"] = (
+            _mean_std([e[0] for e in eq]) if eq else (float("nan"),) * 2)
+        row["compute_equivalent_extrapolated"] = any(e[1] for e in eq)
+        row["solo_tokens_per_s"] = solo.get((g["variant"], g["num_layers"])) if m == 1.0 else None
+        base_tps = solo.get(("prenorm", g["num_layers"]))
+        row["step_time_overhead"] = (base_tps / row["solo_tokens_per_s"] - 1.0
+                                     if row["solo_tokens_per_s"] and base_tps else None)
         row["peak_memory_mib"] = _peak_mib(g)
         row["rss_baseline_mib"] = g["rss_baseline_mib"]
         row["memory_kind"] = "device peak_bytes_in_use" if g.get("device_peak_bytes") else "process peak RSS"
@@ -290,17 +455,30 @@ def summary_rows(groups: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| variant | layers (sublayers) | N | params | val loss (nats) | Δ vs prenorm (paired) | "
-             "bits/byte | tokens/s | peak memory (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The sweep's table; the compute-equivalent and alone-timing columns only when some row has them."""
+    with_eq = any(not math.isnan(r.get("compute_equivalent", float("nan"))) for r in rows)
+    with_solo = any(r.get("solo_tokens_per_s") for r in rows)
+    head = ["variant", "layers (sublayers)", "N", "params", "val loss (nats)", "Δ vs prenorm (paired)", "bits/byte",
+            "tokens/s", "peak memory (MiB)"]
+    head += ["PreNorm-compute equivalent"] * with_eq + ["tokens/s alone", "step-time overhead"] * with_solo
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        delta = ("—" if r["variant"] == "prenorm" or math.isnan(r["delta_vs_prenorm"])
+        label = r.get("label", r["variant"])
+        delta = ("—" if label == "prenorm" or math.isnan(r["delta_vs_prenorm"])
                  else f"{r['delta_vs_prenorm']:+.4f} ± {r['delta_vs_prenorm_std']:.4f}")
-        lines.append(
-            f"| {r['variant']} | {r['num_layers']} ({2 * r['num_layers']}) | {r['residual_blocks']} | "
-            f"{r['num_params']:,} | {r['val_loss']:.4f} ± {r['val_loss_std']:.4f} | {delta} | "
-            f"{r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} | {r['tokens_per_s']:,.0f} ± {r['tokens_per_s_std']:,.0f} | "
-            f"{r['peak_memory_mib']:,.0f} (base {r['rss_baseline_mib']:,.0f}) |")
+        cells = [label, f"{r['num_layers']} ({2 * r['num_layers']})", str(r["residual_blocks"]), f"{r['num_params']:,}",
+                 f"{r['val_loss']:.4f} ± {r['val_loss_std']:.4f}", delta, f"{r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f}",
+                 f"{r['tokens_per_s']:,.0f} ± {r['tokens_per_s_std']:,.0f}",
+                 f"{r['peak_memory_mib']:,.0f} (base {r['rss_baseline_mib']:,.0f})"]
+        if with_eq:
+            eq = r.get("compute_equivalent", float("nan"))
+            cells.append("—" if math.isnan(eq) else f"{eq:.2f}× ± {r['compute_equivalent_std']:.2f}"
+                         + (" (extrapolated)" if r["compute_equivalent_extrapolated"] else ""))
+        if with_solo:
+            over = r.get("step_time_overhead")
+            cells += [f"{r['solo_tokens_per_s']:,.0f}" if r.get("solo_tokens_per_s") else "—",
+                      "—" if over is None or label == "prenorm" else f"{100 * over:+.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -384,13 +562,13 @@ def _save(fig, path: str) -> str:
 
 
 def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict | None = None,
-                  machine: dict | None = None) -> dict:
+                  machine: dict | None = None, timing: list[dict] | None = None) -> dict:
     """Write `<out>.json`, `<out>.md` and the plots; return the JSON document. `machine` (default: this
     machine now) is given when re-rendering an earlier sweep's results."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    rows = summary_rows(groups)
-    doc = {"experiment": "depth_residuals (issue 6)", "machine": machine or machine_info(), "sweep": sweep or {},
-           "rows": rows, "groups": groups}
+    rows = summary_rows(groups, timing)
+    doc = {"experiment": "depth_residuals (issues 6, 27)", "machine": machine or machine_info(), "sweep": sweep or {},
+           "rows": rows, "groups": groups, "timing": timing or []}
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     plots = make_plots(groups, out)
@@ -401,13 +579,19 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           f"flax {m['versions']['flax']}. Raw numbers: `{os.path.basename(out)}.json`.", "",
           f"Setting: byte LM on `{s['source']}`, attention mixers + SwiGLU, d_model {s['d_model']}, "
           f"{s['num_heads']} heads × {s['head_dim']}, d_ff {s['d_ff']}, T = {s['seq_len']}, B = {s['batch_size']}, "
-          f"{s['steps']} AdamW steps (peak lr {s['learning_rate']}, {s['warmup_steps']} warmup, cosine), "
+          f"{s['steps']} AdamW steps (× the multiplier for PreNorm ×m rows; peak lr {s['learning_rate']}, {s['warmup_steps']} warmup, cosine), "
           f"{s['dtype']}; validation = first {s['eval_batches']} batches of the validation split; "
           f"{rows[0]['seeds']} seeds per cell, seed s gives every variant the same init RNG and the same token "
           "order. Mean ± sample std over seeds; Δ = paired (same seed) val-loss difference to prenorm. "
           "N = blocks (block_attnres: sublayer blocks; article_block: layer blocks; full_attnres: N = L). "
           f"Peak memory: {rows[0]['memory_kind']} of the config's own process (base = RSS before any model; "
-          "CPU RSS includes the runtime and XLA compilation).", "",
+          "CPU RSS includes the runtime and XLA compilation)."
+          + (f" {sweep['parallel']} workers shared the device: tokens/s is each run's share; 'tokens/s alone' is "
+             f"each variant trained alone for {sweep.get('timing_steps')} steps (seed 0)." if (sweep or {}).get(
+                 "parallel", 1) > 1 else "")
+          + (" PreNorm-compute equivalent: the PreNorm token multiplier reaching the variant's val loss, per seed "
+             "from the fit a + b·ln(m) through PreNorm's multipliers, mean ± std." if any(
+                 g.get("token_multiplier", 1.0) != 1.0 for g in groups) else ""), "",
           markdown_table(rows), ""]
     if notes:
         md += ["## What happened", "", notes.strip(), ""]
@@ -419,10 +603,17 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
 
 def main(argv):
     del argv
+    if FLAGS.compilation_cache_dir:
+        from experiments.harness import enable_compilation_cache  # noqa: PLC0415
+        enable_compilation_cache(FLAGS.compilation_cache_dir)
     if FLAGS.worker:
         spec = json.loads(FLAGS.worker)
-        group = run_config_group(Settings(**spec["settings"]), spec["variant"], spec["num_layers"], spec["seeds"],
-                                 spec["workdir"])
+        if "timing_steps" in spec:
+            group = timing_run(Settings(**spec["settings"]), spec["variant"], spec["num_layers"],
+                               spec["timing_steps"], spec["workdir"])
+        else:
+            group = run_config_group(Settings(**spec["settings"]), spec["variant"], spec["num_layers"],
+                                     spec["seeds"], spec["workdir"], spec.get("token_multiplier", 1.0))
         with open(spec["out"], "w") as f:
             json.dump(group, f)
         return
@@ -433,8 +624,21 @@ def main(argv):
     if FLAGS.report_from:
         with open(FLAGS.report_from) as f:
             old = json.load(f)
-        write_outputs(old["groups"], FLAGS.out, notes=notes, sweep=old["sweep"], machine=old["machine"])
-        print(markdown_table(summary_rows(old["groups"])))
+        write_outputs(old["groups"], FLAGS.out, notes=notes, sweep=old["sweep"], machine=old["machine"],
+                      timing=old.get("timing"))
+        print(markdown_table(summary_rows(old["groups"], old.get("timing"))))
+        return
+    if FLAGS.merge:
+        docs = []
+        for path in FLAGS.merge:
+            with open(path) as f:
+                docs.append(json.load(f))
+        groups = merge_groups([g for d in docs for g in d["groups"]])
+        timing = next((d["timing"] for d in docs if d.get("timing")), [])
+        doc = write_outputs(groups, FLAGS.out, notes=notes, machine=docs[0]["machine"], timing=timing,
+                            sweep={**docs[0]["sweep"], "merged_from": [os.path.basename(p) for p in FLAGS.merge],
+                                   "merged_machines": [d["machine"] for d in docs]})
+        print(markdown_table(doc["rows"]))
         return
     settings = Settings(d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
                         d_ff=FLAGS.d_ff, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
@@ -445,11 +649,17 @@ def main(argv):
     seeds = [int(s) for s in FLAGS.seeds]
     start = time.time()
     groups = run_sweep(settings, FLAGS.variants, depths, seeds, workdir=FLAGS.workdir, isolate=FLAGS.isolate,
-                       reuse=FLAGS.reuse)
-    write_outputs(groups, FLAGS.out, notes=notes,
-                  sweep={"variants": FLAGS.variants, "depths": depths, "seeds": seeds,
-                         "isolate": FLAGS.isolate, "sweep_wall_seconds": time.time() - start})
-    print(markdown_table(summary_rows(groups)))
+                       reuse=FLAGS.reuse, token_multipliers=FLAGS.token_multipliers, parallel=FLAGS.parallel,
+                       split_seeds=FLAGS.split_seeds, cache_dir=FLAGS.compilation_cache_dir)
+    sweep_wall = time.time() - start
+    timing = (run_timing(settings, FLAGS.variants, depths, FLAGS.timing_steps, workdir=FLAGS.workdir,
+                         cache_dir=FLAGS.compilation_cache_dir) if FLAGS.timing_steps else [])
+    doc = write_outputs(groups, FLAGS.out, notes=notes, timing=timing,
+                        sweep={"variants": FLAGS.variants, "depths": depths, "seeds": seeds,
+                               "token_multipliers": [float(m) for m in FLAGS.token_multipliers],
+                               "isolate": FLAGS.isolate, "parallel": FLAGS.parallel, "split_seeds": FLAGS.split_seeds,
+                               "timing_steps": FLAGS.timing_steps, "sweep_wall_seconds": sweep_wall})
+    print(markdown_table(doc["rows"]))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
   python -m experiments.gate_in_training --out=$OUT/gate_in_training_h200 --workdir_root=/tmp/gate_runs \
       --time_budget_s=240                     # one H200: K3-small (configs/k3_small_gpu.py), both gates
   python -m experiments.gate_in_training --tiny --steps=4 --out=/tmp/git --workdir_root=/tmp/git_runs  # CPU
+  # one process per gate at a fixed step count (equal tokens), side by side on one GPU, then one table:
+  python -m experiments.gate_in_training --gates=bounded --steps=500 --out=$OUT/b --workdir_root=/tmp/g &
+  python -m experiments.gate_in_training --gates=softplus --steps=500 --out=$OUT/s --workdir_root=/tmp/g; wait
+  python -m experiments.gate_in_training --merge=$OUT/b.json,$OUT/s.json --out=$OUT/gate_in_training_h200
 
 Per gate, in one process, the same config except `model.kda.gate` (data order, schedule and seed equal):
  1. train with `k3jax.train.trainer.train` (`--time_budget_s` of training after the compiling first
@@ -17,7 +21,8 @@ Per gate, in one process, the same config except `model.kda.gate` (data order, s
     operand k·exp(a - G) with the anchor a at the tile start (`gate_stability.tile_stats`); the tile
     overflows bf16/fp32 when the span exceeds ln(float32 max) = 88.72. The table gives the fraction of
     overflowing tiles and the span's quantiles per gate (the bounded gate's span is at most C·|lower_bound|).
-Writes <out>.json and <out>.md (date, device, versions).
+Writes <out>.json and <out>.md (date, device, versions). Processes that share one GPU share its time: their
+tokens/s are then not step-time numbers (the table says how many processes shared the device).
 """
 from __future__ import annotations
 
@@ -111,6 +116,30 @@ def evaluate_run(cfg, tiles: list[int], span_batches: int) -> dict:
     return result
 
 
+def merge_results(docs: list[dict]) -> dict:
+    """One result from per-gate results of the same base config (e.g. one process per gate).
+
+    Raises:
+      ValueError: fewer than two documents, configs that differ, a gate in two documents, or runs that did
+        not reach the same step (unequal tokens).
+    """
+    if len(docs) < 2:
+        raise ValueError(f"--merge needs at least two result JSONs, got {len(docs)}")
+    runs = {}
+    for d in docs:
+        if d["base_config"] != docs[0]["base_config"]:
+            raise ValueError("--merge: the results' base configs differ")
+        for gate, r in d["runs"].items():
+            if gate in runs:
+                raise ValueError(f"--merge: gate {gate!r} is in more than one result")
+            runs[gate] = r
+    steps = {r["step"] for r in runs.values()}
+    if len(steps) != 1:
+        raise ValueError(f"--merge: the runs reached different steps {sorted(steps)} (unequal tokens)")
+    return {**docs[0], "runs": {g: runs[g] for g in GATES if g in runs}, "processes_sharing_device": len(docs),
+            "merged_envs": [d["env"] for d in docs]}
+
+
 def render(result: dict) -> str:
     from experiments.harness import environment_line, markdown_table  # noqa: PLC0415
     lines = ["# The KDA gate in training: bounded vs softplus (issue 27 part 3)", "",
@@ -118,6 +147,9 @@ def render(result: dict) -> str:
              f"Config `{result['config_file']}`{' (--tiny)' if result['tiny'] else ''}; the same run per gate but "
              "`model.kda.gate`. Span = max over channels of -Σ g over a tile (nats); a forced single bf16 GEMM "
              f"tile overflows above {OVERFLOW_NATS:.2f}.", ""]
+    if result.get("processes_sharing_device", 1) > 1:
+        lines += [f"The runs were {result['processes_sharing_device']} processes (merged); where they shared one "
+                  "device at once, tokens/s is each run's share of it, not a step-time comparison.", ""]
     rows = []
     for gate, r in result["runs"].items():
         for c, s in r["spans"].items():
@@ -129,7 +161,7 @@ def render(result: dict) -> str:
 
 
 def _define_flags():
-    global _CONFIG, _STEPS, _BUDGET, _ROOT, _OUT, _TILES, _SPAN_BATCHES, _TINY
+    global _CONFIG, _STEPS, _BUDGET, _ROOT, _OUT, _TILES, _SPAN_BATCHES, _TINY, _GATES, _MERGE
     from experiments.configs.common import define_config_file  # noqa: PLC0415
     _CONFIG = define_config_file("config", "experiments/configs/k3_small_gpu.py", "Run config (both gates).")
     _STEPS = flags.DEFINE_integer("steps", 0, "Training steps (0 = the config's train.steps).")
@@ -139,6 +171,8 @@ def _define_flags():
     _TILES = flags.DEFINE_list("tiles", ["16", "64"], "Tile lengths C of the span measurement.")
     _SPAN_BATCHES = flags.DEFINE_integer("span_batches", 2, "Validation batches whose gates are measured.")
     _TINY = flags.DEFINE_bool("tiny", False, "A CPU smoke size (d 32, 2 layers KA, 2 x 64 tokens).")
+    _GATES = flags.DEFINE_list("gates", list(GATES), f"Gates to run, from {GATES}; one per process with --steps.")
+    _MERGE = flags.DEFINE_list("merge", [], "Result JSONs (one per gate) to merge into --out instead of training.")
 
 
 def main(argv):
@@ -146,6 +180,19 @@ def main(argv):
     from experiments.harness import environment, write_results  # noqa: PLC0415
     from k3jax.train.config import run_config_from_dict  # noqa: PLC0415
     from k3jax.train.trainer import train  # noqa: PLC0415
+    if _MERGE.value:
+        docs = []
+        for path in _MERGE.value:
+            with open(path) as f:
+                docs.append(json.load(f))
+        result = merge_results(docs)
+        text = render(result)
+        write_results(_OUT.value, result, text)
+        print(text)
+        return
+    gates = list(_GATES.value)
+    if not gates or any(g not in GATES for g in gates) or len(set(gates)) != len(gates):
+        raise ValueError(f"--gates must be distinct names from {GATES}, got {gates}")
     base = _CONFIG.value.to_dict()
     if _TINY.value:
         base["model"].update(d_model=32, num_layers=2, mixer_pattern="KA", num_heads=2, head_dim=16, d_ff=64)
@@ -158,7 +205,7 @@ def main(argv):
                              warmup_steps=min(base["train"]["warmup_steps"], max(_STEPS.value // 10, 1)))
     tiles = [int(c) for c in _TILES.value]
     runs, reached = {}, None
-    for gate in GATES:
+    for gate in gates:
         d = json.loads(json.dumps(base))
         d["model"]["kda"]["gate"] = gate
         d["workdir"] = os.path.join(_ROOT.value, gate)

@@ -41,3 +41,19 @@ def test_recording_gates_sees_the_layers_g(gate):
     assert out.shape == x.shape
     if gate == "bounded":
         assert gs[0].min() >= -5.0
+
+
+def test_merge_joins_one_result_per_gate_at_equal_steps():
+    def doc(gate, step, base=None):
+        return {"env": {"device": "x"}, "config_file": "c.py", "tiny": False, "base_config": base or {"a": 1},
+                "runs": {gate: {"step": step, "val_loss": 1.0}}}
+    merged = git.merge_results([doc("softplus", 10), doc("bounded", 10)])
+    assert list(merged["runs"]) == ["bounded", "softplus"] and merged["processes_sharing_device"] == 2
+    with pytest.raises(ValueError, match="different steps"):
+        git.merge_results([doc("softplus", 10), doc("bounded", 9)])
+    with pytest.raises(ValueError, match="more than one"):
+        git.merge_results([doc("bounded", 10), doc("bounded", 10)])
+    with pytest.raises(ValueError, match="base configs differ"):
+        git.merge_results([doc("bounded", 10), doc("softplus", 10, {"a": 2})])
+    with pytest.raises(ValueError, match="at least two"):
+        git.merge_results([doc("bounded", 10)])

@@ -213,3 +213,47 @@ def test_bench_train_jla_config_has_the_shape_of_the_k3jax_rows(shape):
     t, d = jla["train"], jla["data"]
     assert (t["seq_len"], t["micro_batch_per_replica"], d["synthetic_doc_length"]) == (
         s["seq_len"], s["batch_size"], s["doc_len"])
+
+
+def _group(variant, seed_losses, m=1.0, settings=None):
+    return {"variant": variant, "num_layers": 4, "token_multiplier": m, "residual_blocks": 1,
+            "settings": settings or {"steps": 10}, "seeds": [s for s, _ in seed_losses], "group_wall_seconds": 1.0,
+            "rss_baseline_mib": 1.0, "rss_peak_mib": 2.0, "device_peak_bytes": None,
+            "runs": [{"seed": s, "val_loss": v, "val_bpb": v, "tokens_per_s": 1.0, "wall_seconds": 1.0,
+                      "num_params": 10} for s, v in seed_losses]}
+
+
+def test_compute_equivalent_reads_the_prenorm_multiplier_off_its_log_fit():
+    a, b = 2.0, -0.2  # PreNorm: val_loss = a + b ln(m), exactly, for seed 0
+    groups = [_group("prenorm", [(0, a)]), _group("prenorm", [(0, a + b * math.log(1.25))], 1.25),
+              _group("prenorm", [(0, a + b * math.log(1.5))], 1.5),
+              _group("block_attnres", [(0, a + b * math.log(1.4))])]
+    m, extrapolated = dr.compute_equivalent(groups, 4, 0, a + b * math.log(1.4))
+    assert m == pytest.approx(1.4) and not extrapolated
+    m, extrapolated = dr.compute_equivalent(groups, 4, 0, a + b * math.log(2.0))
+    assert m == pytest.approx(2.0) and extrapolated
+    assert math.isnan(dr.compute_equivalent(groups, 4, 1, 1.9)[0])        # no PreNorm runs of seed 1
+    assert math.isnan(dr.compute_equivalent(groups[:1] + groups[3:], 4, 0, 1.9)[0])  # one multiplier only
+    rows = {r["label"]: r for r in dr.summary_rows(groups, [{"variant": "prenorm", "num_layers": 4, "tokens_per_s": 110.0},
+                                                          {"variant": "block_attnres", "num_layers": 4,
+                                                           "tokens_per_s": 100.0}])}
+    assert rows["block_attnres"]["compute_equivalent"] == pytest.approx(1.4)
+    assert rows["block_attnres"]["step_time_overhead"] == pytest.approx(0.1)
+    assert math.isnan(rows["prenorm ×1.5 tokens"]["compute_equivalent"])
+    assert rows["prenorm ×1.5 tokens"]["delta_vs_prenorm"] == pytest.approx(b * math.log(1.5))
+    table = dr.markdown_table(list(rows.values()))
+    assert "| block_attnres | 4 (8) |" in table and "1.40× ± 0.00" in table and "+10.0%" in table
+
+
+def test_merge_groups_joins_seeds_and_refuses_conflicts():
+    merged = dr.merge_groups([_group("prenorm", [(1, 2.0)]), _group("block_attnres", [(0, 1.0)]),
+                              _group("prenorm", [(0, 2.1)])])
+    assert [g["variant"] for g in merged] == ["prenorm", "block_attnres"]
+    assert merged[0]["seeds"] == [0, 1] and [r["val_loss"] for r in merged[0]["runs"]] == [2.1, 2.0]
+    with pytest.raises(ValueError, match="more than one group"):
+        dr.merge_groups([_group("prenorm", [(0, 2.0)]), _group("prenorm", [(0, 2.1)])])
+    with pytest.raises(ValueError, match="different settings"):
+        dr.merge_groups([_group("prenorm", [(0, 2.0)]), _group("prenorm", [(1, 2.1)], settings={"steps": 11})])
+    assert dr.scaled_settings(dr.Settings(steps=600), 1.25).steps == 750
+    with pytest.raises(ValueError, match="token_multiplier"):
+        dr.scaled_settings(dr.Settings(), 0.0)
