@@ -26,6 +26,7 @@ KDA_GATES = ("bounded", "softplus")
 KDA_IMPLEMENTATIONS = (None, "recurrent", "chunked", "pallas")
 SCORE_FUNCS = ("softmax", "sigmoid")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "pallas_triton", "cudnn")
+DEPTH_IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 def _positive_int(value) -> bool:
@@ -98,11 +99,14 @@ class ResidualConfig:
         units, checked by `ModelConfig`).
       block_unit: what "block_attnres" blocks count: "sublayers" (paper) or "layers" (K3).
         "article_block" always groups whole layers.
+      implementation: of the AttnRes depth mixes: None (the Pallas kernels on an H100/H200, XLA
+        elsewhere) | "xla" | "pallas" (`k3jax.ops.residuals.depth_attention`).
     """
 
     kind: str = "prenorm"
     blocks: int = 8
     block_unit: str = "sublayers"
+    implementation: str | None = None
 
     def __post_init__(self):
         if self.kind not in RESIDUALS:
@@ -111,6 +115,9 @@ class ResidualConfig:
             raise ValueError(f"model.residual.blocks must be a positive int, got {self.blocks!r}")
         if self.block_unit not in ("sublayers", "layers"):
             raise ValueError(f"model.residual.block_unit must be 'sublayers' or 'layers', got {self.block_unit!r}")
+        if self.implementation not in DEPTH_IMPLEMENTATIONS:
+            raise ValueError(f"model.residual.implementation must be one of {DEPTH_IMPLEMENTATIONS}, "
+                             f"got {self.implementation!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,8 @@ class LanguageModel(nnx.Module):
             return residual_ops.article_block_forward(h, fns, self.layout, alphas)
         queries = jnp.stack([m.pseudo_query[...] for m in self.depth_mixes])
         scales = jnp.stack([m.key_norm_scale[...] for m in self.depth_mixes])
-        return residual_ops.attnres_forward(h, fns, self.layout, queries, scales, eps=self.cfg.norm_eps)
+        return residual_ops.attnres_forward(h, fns, self.layout, queries, scales, eps=self.cfg.norm_eps,
+                                            implementation=self.cfg.residual.implementation)
 
     def _scan_stack(self, h, segment_ids, positions, train: bool):
         """The stack as one `lax.scan` over the G = num_layers / P repeats of the P-layer mixer pattern.
@@ -140,7 +141,8 @@ class LanguageModel(nnx.Module):
         (`nnx.split` / `nnx.merge`; parameters stay per layer). Block AttnRes keeps its sources in a
         zero-initialised buffer `[N + 1, B, T, D]` carried through the scan: sublayer l adds its output
         to slot `block_id[l]` (the running partial sum of its block, which becomes source b_n) and its
-        mix reads the first `num_sources[l]` slots (`BlockLayout.scan_inputs`). Returns what
+        mix reads the first `num_sources[l]` slots (`BlockLayout.scan_inputs`; the buffer is threaded
+        through `depth_attention_carry`, so the Pallas backward updates its cotangent in place). Returns what
         `_run_stack` returns (depth weights padded to N + 1 sources are cut to each mix's count) and the
         MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body.
         """
@@ -190,8 +192,9 @@ class LanguageModel(nnx.Module):
             inputs, weights, aux = [], [], [None] * period
             for i in range(2 * period):
                 if attnres:
-                    x, w = residual_ops.depth_attention(carry, xs["query"][i], xs["scale"][i], eps=cfg.norm_eps,
-                                                        num_valid=xs["num_valid"][i], return_weights=True)
+                    x, w, carry = residual_ops.depth_attention_carry(
+                        carry, xs["query"][i], xs["scale"][i], eps=cfg.norm_eps, num_valid=xs["num_valid"][i],
+                        implementation=cfg.residual.implementation)
                     weights.append(w)
                 else:
                     x = carry
@@ -220,7 +223,7 @@ class LanguageModel(nnx.Module):
         if not attnres:
             return residual_ops.DepthForward(hidden=carry, sublayer_inputs=inputs, depth_weights=()), moe_aux
         hidden, final_w = residual_ops.depth_attention(carry, queries[-1], scales[-1], eps=cfg.norm_eps,
-                                                       return_weights=True)
+                                                       return_weights=True, implementation=cfg.residual.implementation)
         weights = tuple(w[:n] for w, n in zip(unstack(ys["weights"]), self.layout.num_sources)) + (final_w,)
         return residual_ops.DepthForward(hidden=hidden, sublayer_inputs=inputs, depth_weights=weights), moe_aux
 

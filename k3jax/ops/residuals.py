@@ -31,6 +31,10 @@ scalar α becomes the next block's input with no residual add. See `article_bloc
 
 Precision: RMS statistics, logits, softmax and the weighted sum over depth are fp32 (elementwise
 products and reductions, no TF32 matmul); outputs are returned in the sources' dtype.
+
+Implementations of the depth mix: "xla" (the jnp code below, autodiff) and "pallas"
+(`pallas_kernels.depth_attention`: one fused kernel forward and one backward that read each valid
+source once / twice; implementation=None picks it on an H100/H200, compiled).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ import numpy as np
 Array = jax.Array
 
 UNITS = ("sublayers", "layers")
+IMPLEMENTATIONS = ("xla", "pallas")
 SUBLAYERS_PER_LAYER = 2  # one mixer (attention or KDA) + one FFN (MLP or MoE) per transformer layer
 
 
@@ -59,7 +64,7 @@ def _source_logits(x: Array, query: Array, eps: float) -> Array:
 
 
 def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6, num_valid=None,
-                    return_weights: bool = False):
+                    return_weights: bool = False, implementation: str | None = None, interpret: bool = False):
     """Softmax attention over depth with a learned pseudo-query (AttnRes, arXiv 2603.15031 §3).
 
         out = Σ_s α_s · source_s,   α = softmax_s( w · RMSNorm_γ(source_s) ),
@@ -84,6 +89,11 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
         via a select and are also selected out of the sum, so they never affect the output; they
         must hold finite values for their (zero) gradient to stay finite: zero-initialise buffers.
       return_weights: also return the depth weights.
+      implementation: None (the Pallas kernels where their GPU tests ran: compiled on a CUDA device
+        of compute capability 9.0, for calls `pallas_kernels.depth_attention.supported` covers; else
+        "xla"), "xla" or "pallas" (an explicit "pallas" it cannot run raises).
+      interpret: run the Pallas kernels in interpret mode (CPU); with implementation=None it keeps the
+        dispatch on "xla".
 
     Returns:
       `out [B, T, D]` in the sources' dtype; with `return_weights=True`, `(out, weights)` where
@@ -94,8 +104,91 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
 
     Raises:
       ValueError: `sources` empty, of rank < 2, or of mixed shapes/dtypes; `pseudo_query` or
-        `key_norm_scale` not `[D]`; static `num_valid` outside [1, S]; `eps` negative.
+        `key_norm_scale` not `[D]`; static `num_valid` outside [1, S]; `eps` negative; an unknown
+        `implementation`, or "pallas" for a call it cannot run.
     """
+    sources, num_sources, dtype = _check_depth_inputs(sources, pseudo_query, key_norm_scale, eps, num_valid)
+    implementation = _choose(implementation, num_sources, sources, interpret)
+    if implementation == "pallas":
+        from pallas_kernels.depth_attention import depth_attention_pallas  # noqa: PLC0415
+        query = jnp.asarray(pseudo_query, jnp.float32) * jnp.asarray(key_norm_scale, jnp.float32)
+        cut = 0
+        if isinstance(sources, list) and num_valid is not None:
+            if isinstance(num_valid, (int, np.integer)):  # the first num_valid arrays, weight 0 for the rest
+                cut, sources, num_valid = num_sources - int(num_valid), sources[:int(num_valid)], None
+            else:
+                sources = jnp.stack(sources)
+        if isinstance(sources, list):
+            out, weights = depth_attention_pallas(tuple(sources), query, eps=eps, interpret=interpret)
+        else:
+            out, weights = depth_attention_pallas(sources, query, eps=eps, num_valid=num_valid, interpret=interpret)
+        if cut:
+            weights = jnp.concatenate([weights, jnp.zeros((cut, *weights.shape[1:]), weights.dtype)])
+        return (out, weights) if return_weights else out
+    return _depth_attention_xla(sources, pseudo_query, key_norm_scale, eps=eps, num_valid=num_valid,
+                                return_weights=return_weights)
+
+
+def depth_attention_carry(buffer, pseudo_query, key_norm_scale, *, eps: float = 1e-6, num_valid=None,
+                          implementation: str | None = None, interpret: bool = False):
+    """`depth_attention` on a source buffer `[S, B, T, D]` that also returns the buffer, for a scan.
+
+    Thread the buffer through this call (use the returned one from then on): with "pallas" the
+    backward then adds the sources' gradient into the buffer's cotangent in place, reading and writing
+    only the first `num_valid` slots, instead of materialising a full `[S, B, T, D]` gradient per call.
+    With "xla" the buffer is returned as it is.
+
+    Returns:
+      `(out [B, T, D] in the buffer's dtype, weights [S, B, T] fp32, buffer)`.
+
+    Raises:
+      ValueError: as `depth_attention`; `buffer` a sequence.
+    """
+    if isinstance(buffer, (list, tuple)):
+        raise ValueError("buffer must be one array [S, B, T, D], got a sequence")
+    buffer, num_sources, _ = _check_depth_inputs(buffer, pseudo_query, key_norm_scale, eps, num_valid)
+    if _choose(implementation, num_sources, buffer, interpret) == "pallas":
+        from pallas_kernels.depth_attention import depth_attention_pallas  # noqa: PLC0415
+        query = jnp.asarray(pseudo_query, jnp.float32) * jnp.asarray(key_norm_scale, jnp.float32)
+        return depth_attention_pallas(buffer, query, eps=eps, num_valid=num_valid, pass_through=True,
+                                      interpret=interpret)
+    out, weights = _depth_attention_xla(buffer, pseudo_query, key_norm_scale, eps=eps, num_valid=num_valid,
+                                        return_weights=True)
+    return out, weights, buffer
+
+
+def _pallas_covers(num_sources: int, d: int, dtype, interpret: bool) -> bool:
+    """implementation=None runs the kernels only where their GPU tests ran (compiled, compute capability
+    9.0: the H200 of `pytest -m gpu`) and for calls `supported` accepts."""
+    if interpret or jax.default_backend() != "gpu":
+        return False
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        return False
+    from pallas_kernels.depth_attention import supported  # noqa: PLC0415
+    return supported(num_sources, d, dtype)[0]
+
+
+def _choose(implementation, num_sources, sources, interpret) -> str:
+    if implementation not in (None,) + IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; got {implementation=}")
+    first = sources[0] if isinstance(sources, list) else sources
+    d, dtype = first.shape[-1], first.dtype
+    if implementation is None:
+        return "pallas" if _pallas_covers(num_sources, d, dtype, interpret) else "xla"
+    if implementation == "pallas":
+        from pallas_kernels.depth_attention import supported  # noqa: PLC0415
+        ok, why = supported(num_sources, d, dtype)
+        if not ok:
+            raise ValueError(f"{implementation=} cannot run this call: {why}")
+        if not interpret and jax.default_backend() != "gpu":
+            raise ValueError(f"{implementation=} with interpret=False compiles the kernels for a CUDA GPU (Triton "
+                             f"lowering); the backend is {jax.default_backend()!r}: pass interpret=True on CPU")
+    return implementation
+
+
+def _check_depth_inputs(sources, pseudo_query, key_norm_scale, eps, num_valid):
+    """Shape / dtype checks of `depth_attention` (ValueError naming the argument); returns (sources as an
+    array or a list of arrays, S, dtype)."""
     stacked = not isinstance(sources, (list, tuple))
     if stacked:
         sources = jnp.asarray(sources)
@@ -131,7 +224,14 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
     if num_valid is not None and isinstance(num_valid, (int, np.integer)):
         if isinstance(num_valid, bool) or not 1 <= int(num_valid) <= num_sources:
             raise ValueError(f"num_valid must be in [1, S] = [1, {num_sources}], got {num_valid=}")
+    return sources, num_sources, dtype
 
+
+def _depth_attention_xla(sources, pseudo_query, key_norm_scale, *, eps, num_valid, return_weights):
+    """The jnp depth mix (inputs already checked by `_check_depth_inputs`)."""
+    stacked = not isinstance(sources, (list, tuple))
+    dtype = sources.dtype if stacked else sources[0].dtype
+    pseudo_query, key_norm_scale = jnp.asarray(pseudo_query), jnp.asarray(key_norm_scale)
     query = pseudo_query.astype(jnp.float32) * key_norm_scale.astype(jnp.float32)
     if stacked:
         logits = _source_logits(sources, query, eps)  # [S, ...]
@@ -314,7 +414,8 @@ def prenorm_forward(embedding, sublayer_fns: Sequence[Callable[[Array], Array]])
 
 
 def attnres_forward(embedding, sublayer_fns: Sequence[Callable[[Array], Array]], layout: BlockLayout,
-                    pseudo_queries, key_norm_scales, *, eps: float = 1e-6) -> DepthForward:
+                    pseudo_queries, key_norm_scales, *, eps: float = 1e-6,
+                    implementation: str | None = None) -> DepthForward:
     """Block AttnRes over a whole stack, as a readable Python loop (arXiv 2603.15031 §3, K3 §2.2).
 
         blocks = [b_0 = embedding]; partial = none
@@ -346,6 +447,7 @@ def attnres_forward(embedding, sublayer_fns: Sequence[Callable[[Array], Array]],
       pseudo_queries: `[L + 1, D]`; row l is w_l of sublayer l, row L the final mix's.
       key_norm_scales: `[L + 1, D]`; the key RMSNorm scales γ, same rows.
       eps: key RMSNorm epsilon.
+      implementation: of every depth mix (`depth_attention`).
 
     Returns:
       `DepthForward(hidden [B, T, D], sublayer_inputs (L × [B, T, D]), depth_weights (L + 1 × [S_l, B, T]))`.
@@ -365,7 +467,8 @@ def attnres_forward(embedding, sublayer_fns: Sequence[Callable[[Array], Array]],
     inputs, weights = [], []
     for l, f in enumerate(sublayer_fns):
         sources = blocks + ([] if partial is None else [partial])
-        h, w = depth_attention(sources, pseudo_queries[l], key_norm_scales[l], eps=eps, return_weights=True)
+        h, w = depth_attention(sources, pseudo_queries[l], key_norm_scales[l], eps=eps, return_weights=True,
+                               implementation=implementation)
         inputs.append(h)
         weights.append(w)
         out = f(h)
@@ -374,7 +477,7 @@ def attnres_forward(embedding, sublayer_fns: Sequence[Callable[[Array], Array]],
             blocks.append(partial)
             partial = None
     hidden, w = depth_attention(blocks, pseudo_queries[num_sublayers], key_norm_scales[num_sublayers],
-                                eps=eps, return_weights=True)
+                                eps=eps, return_weights=True, implementation=implementation)
     weights.append(w)
     return DepthForward(hidden=hidden, sublayer_inputs=tuple(inputs), depth_weights=tuple(weights))
 
