@@ -43,6 +43,8 @@ SCRIPTS = {
                        ["disp.json", "disp.md"]),  # the k3_default row that bench_train's smoke leaves out
     "bench_attention": ("bench_attention", ["--shapes=1x128x1x32", "--docs_per_row=1,2", "--iters=1", "--warmup=0",
                                             "--stream_reps=1", "--out={out}/attn"], ["attn.json", "attn.md"]),
+    "bench_depth_attention": ("bench_depth_attention", ["--shapes=tiny", "--iters=1", "--reps=1", "--out={out}/da"],
+                              ["da.json", "da.md"]),
     "bench_cross_entropy": ("bench_cross_entropy", ["--tiny", "--out={out}/ce"], ["ce.json", "ce.md"]),
     "bench_moe": ("bench_moe", ["--gemm_shape=tiny", "--impls=xla,blocked", "--torch=false", "--out_dtypes=bfloat16",
                                 "--iters=1", "--warmup=0", "--stream_calls=2", "--stream_reps=1", "--layer_shape=tiny",

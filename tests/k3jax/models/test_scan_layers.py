@@ -57,10 +57,25 @@ def test_scanned_model_equals_unrolled(changes):
         assert diag0["depth_weights"].shape == (unrolled.num_sublayers + 1, unrolled.block_layout().max_sources)
 
 
+def _depth_kernels_match_xla(implementation, **changes):
+    """`implementation` for the depth mixes equals "xla": unrolled (a sequence of sources per mix) and
+    scanned with remat full (the carried buffer, whose cotangent the kernel's backward updates in place)."""
+    xla = dataclasses.replace(BASE, ffn="mlp", residual=dataclasses.replace(BASE.residual, implementation="xla"),
+                              **changes)
+    loss0, _, grads0, diag0 = _run(xla)
+    kernel = dataclasses.replace(xla.residual, implementation=implementation)
+    for cfg in (dataclasses.replace(xla, residual=kernel),
+                dataclasses.replace(xla, residual=kernel, scan_layers=True, remat="full")):
+        loss1, _, grads1, diag1 = _run(cfg)
+        np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+        for (path, g0), (_, g1) in zip(jax.tree.leaves_with_path(grads0), jax.tree.leaves_with_path(grads1)):
+            scale = float(np.max(np.abs(g0))) or 1.0
+            np.testing.assert_allclose(g1, g0, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(diag1["depth_weights"], diag0["depth_weights"], rtol=1e-5, atol=1e-6)
+
+
 def test_depth_kernels_in_the_model_match_xla(monkeypatch):
-    """residual.implementation=None with the Pallas depth kernels (interpret mode, as if on an H200)
-    equals "xla": unrolled (a sequence of sources per mix) and scanned with remat full (the carried
-    buffer, whose cotangent the kernel's backward updates in place)."""
+    """residual.implementation=None takes the Pallas depth kernels (interpret mode, as if on an H200)."""
     import pallas_kernels.depth_attention as pda
     from k3jax.ops import residuals as residual_ops
     kernel = pda.depth_attention_pallas
@@ -71,18 +86,13 @@ def test_depth_kernels_in_the_model_match_xla(monkeypatch):
         return kernel(*args, **{**kw, "interpret": True})
     monkeypatch.setattr(residual_ops, "_pallas_covers", lambda *a: True)
     monkeypatch.setattr(pda, "depth_attention_pallas", interpreted)
-    xla = dataclasses.replace(BASE, ffn="mlp", residual=dataclasses.replace(BASE.residual, implementation="xla"))
-    loss0, _, grads0, diag0 = _run(xla)
-    for cfg in (dataclasses.replace(xla, residual=BASE.residual),
-                dataclasses.replace(xla, residual=BASE.residual, scan_layers=True, remat="full")):
-        calls.clear()
-        loss1, _, grads1, diag1 = _run(cfg)
-        assert calls and any(calls) == cfg.scan_layers  # the scanned stack threads the buffer through
-        np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
-        for (path, g0), (_, g1) in zip(jax.tree.leaves_with_path(grads0), jax.tree.leaves_with_path(grads1)):
-            scale = float(np.max(np.abs(g0))) or 1.0
-            np.testing.assert_allclose(g1, g0, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
-        np.testing.assert_allclose(diag1["depth_weights"], diag0["depth_weights"], rtol=1e-5, atol=1e-6)
+    _depth_kernels_match_xla(None)
+    assert any(calls) and not all(calls)  # the unrolled stack passes sequences, the scanned one a carried buffer
+
+
+@pytest.mark.gpu
+def test_depth_kernels_in_the_model_match_xla_gpu():
+    _depth_kernels_match_xla("pallas", d_model=256, num_heads=2, head_dim=128)
 
 
 def test_scanned_train_step_equals_unrolled():
