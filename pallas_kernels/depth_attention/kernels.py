@@ -40,11 +40,12 @@ class Tuning:
 
     fwd_elems / bwd_elems: elements of one [block_t, block_d] fp32 register tile (block_t =
       elems // block_d, clipped to [1, 64] and to the token count); num_warps: Triton warps;
+      defaults: the best of bench_depth_attention's sweep at K3-small and 1b (H200, 2026-12-04);
       bwd_programs: target number of backward programs (each loops over several token tiles and
       writes one fp32 partial of ∂L/∂q, summed by XLA).
     """
 
-    fwd_elems: int = 8192
+    fwd_elems: int = 4096
     bwd_elems: int = 4096
     num_warps: int = 4
     bwd_programs: int = 1024

@@ -92,7 +92,8 @@ def test_depth_kernels_in_the_model_match_xla(monkeypatch):
 
 @pytest.mark.gpu
 def test_depth_kernels_in_the_model_match_xla_gpu():
-    _depth_kernels_match_xla("pallas", d_model=256, num_heads=2, head_dim=128)
+    with jax.default_matmul_precision("highest"):  # no TF32 rounding to amplify fp32 summation-order noise
+        _depth_kernels_match_xla("pallas", d_model=256, num_heads=2, head_dim=128)
 
 
 def test_scanned_train_step_equals_unrolled():
