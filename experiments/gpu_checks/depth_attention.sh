@@ -3,8 +3,8 @@
 # device copy:  bash experiments/gpu_checks/depth_attention.sh
 # 1. pytest -m gpu: the compiled kernel tests (tests/pallas_kernels/depth_attention) and the model's
 #    Pallas-vs-XLA depth mixes (unrolled and scanned). Log: $OUT_DIR/depth_attention_gpu_tests_h200.log.
-# 2. (BENCH=1) experiments.bench_depth_attention --sweep: the whole stack's depth mixes, xla vs pallas, at
-#    K3-small and 1b, and the op alone under a few Tuning values: $OUT_DIR/depth_attention_h200.{json,md}.
+# 2. (BENCH=1) experiments.bench_depth_attention: the whole stack's depth mixes, xla vs pallas, at K3-small
+#    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_h200.{json,md}.
 # 3. (TRAIN_SHAPE set, e.g. k3_small) experiments.bench_train --shape=$TRAIN_SHAPE --rows=$TRAIN_ROWS
 #    ($TRAIN_ARGS appended): $OUT_DIR/train_step_$TRAIN_SHAPE.{json,md}.
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), TRAIN_SHAPE (unset),
@@ -31,7 +31,7 @@ LOG="$OUT_DIR/depth_attention_gpu_tests_h200.log"
 } 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ "$BENCH" = 1 ]; then
-  $PY -m experiments.bench_depth_attention --sweep --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
+  $PY -m experiments.bench_depth_attention ${SWEEP:+--sweep} --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
 fi
 if [ -n "${TRAIN_SHAPE:-}" ]; then
