@@ -4,8 +4,9 @@
   python -m experiments.bench_depth_attention --shapes=tiny --iters=2 --reps=2   # CPU smoke (xla only)
 
 A shape is the depth structure of one of bench_train's models, with every sublayer replaced by a
-stand-in f_l(h) = c_l · h (one elementwise op, the same for both implementations), so the time is
-that of the L + 1 depth mixes and the source bookkeeping:
+stand-in f_l(h) = c_l ⊙ h with a per-channel scale c_l [D] (one elementwise op, the same for both
+implementations; per channel, so that the sources are not collinear and the softmax over them depends on
+the pseudo-queries), so the time is that of the L + 1 depth mixes and the source bookkeeping:
   k3_small: 8 layers, 4 blocks of sublayers, 32 x 2048 tokens, d_model 768, unrolled (each mix reads a
     Python list of sources: `attnres_forward`, what the unrolled model runs);
   1b: 24 layers, 4 blocks, 16 x 4096 tokens, d_model 2048, scanned over the 6 repeats of a 4-layer
@@ -38,7 +39,7 @@ _OUT = flags.DEFINE_string("out", "/tmp/bench_depth_attention", "Output prefix (
 
 
 def stack_loss(shape: dict, implementation: str):
-    """loss(embedding, queries [L+1, D], scales [L+1, D], c [L], ct [B, T, D]) of the stand-in stack."""
+    """loss(embedding, queries [L+1, D], scales [L+1, D], c [L, D], ct [B, T, D]) of the stand-in stack."""
     layout = R.block_layout(shape["layers"], shape["blocks"])
     L = layout.num_sublayers
 
@@ -52,7 +53,7 @@ def stack_loss(shape: dict, implementation: str):
         groups = L // per
         scan_in = layout.scan_inputs()
         xs = dict(q=queries[:-1].reshape(groups, per, -1), s=scales[:-1].reshape(groups, per, -1),
-                  c=c.reshape(groups, per), slot=jnp.asarray(scan_in["slot"]).reshape(groups, per),
+                  c=c.reshape(groups, per, -1), slot=jnp.asarray(scan_in["slot"]).reshape(groups, per),
                   n=jnp.asarray(scan_in["num_valid"]).reshape(groups, per))
 
         @jax.checkpoint
@@ -80,7 +81,7 @@ def make_inputs(shape: dict, i: int):
     return (jax.random.normal(ks[0], (B, T, D), jnp.bfloat16),
             0.3 * jax.random.normal(ks[1], (L + 1, D), jnp.float32) / np.sqrt(D) * 8,
             1 + 0.1 * jax.random.normal(ks[2], (L + 1, D), jnp.float32),
-            1 + 0.1 * jax.random.normal(ks[3], (L,), jnp.float32),
+            1 + 0.5 * jax.random.normal(ks[3], (L, D), jnp.float32),
             jax.random.normal(ks[4], (B, T, D), jnp.float32) / (B * T))
 
 

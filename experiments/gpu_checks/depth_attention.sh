@@ -7,20 +7,23 @@
 #    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_h200.{json,md}.
 # 3. (TRAIN_SHAPE set, e.g. k3_small) experiments.bench_train --shape=$TRAIN_SHAPE --rows=$TRAIN_ROWS
 #    ($TRAIN_ARGS appended): $OUT_DIR/train_step_$TRAIN_SHAPE.{json,md}.
-# Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), TRAIN_SHAPE (unset),
+# Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), TESTS (1), BENCH (1), TRAIN_SHAPE (unset),
 # TRAIN_ROWS (k3_default,jla), TRAIN_ARGS (""), WORKERS (4). Wheels in .whl/ (experiments/gpu_wheels.txt)
 # are installed first when present. Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 OUT_DIR=${OUT_DIR:-${OUT:-experiments/results}}
+TESTS=${TESTS:-1}
 BENCH=${BENCH:-1}
 WORKERS=${WORKERS:-4}
 mkdir -p "$OUT_DIR"
 if compgen -G ".whl/*.whl" > /dev/null; then $PY -m pip install -q --no-deps .whl/*.whl; fi
 XDIST=()
 if $PY -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); fi
+rc=0
 LOG="$OUT_DIR/depth_attention_gpu_tests_h200.log"
+if [ "$TESTS" = 1 ]; then
 {
   echo "# $(date -u +%FT%TZ) $PY -m pytest -q ${XDIST[*]} -m gpu tests/pallas_kernels/depth_attention tests/k3jax/models/test_scan_layers.py"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -30,6 +33,7 @@ LOG="$OUT_DIR/depth_attention_gpu_tests_h200.log"
     -rs --durations=10 -p no:cacheprovider
 } 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
+fi
 if [ "$BENCH" = 1 ]; then
   $PY -m experiments.bench_depth_attention ${SWEEP:+--sweep} --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
