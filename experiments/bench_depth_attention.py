@@ -13,7 +13,8 @@ the pseudo-queries), so the time is that of the L + 1 depth mixes and the source
     period with remat "full" and a carried [5, B, T, D] source buffer (`depth_attention_carry`, what the
     scanned model runs).
 Per implementation: back-to-back ms of jit(value_and_grad) (median of groups, `harness.time_call`), the
-compile seconds, and the RMS ratio of each gradient (embedding, pseudo-queries, key-norm scales, stand-in
+compile seconds, the loss beside the fp32 truth's (Σ hidden · ct with a random ct: a sum of B·T·D terms of
+both signs, so bf16 noise moves it by a few %), and the RMS ratio of each gradient (embedding, pseudo-queries, key-norm scales, stand-in
 scales) against the fp32 truth (XLA on an fp32 embedding). bf16 sources, fp32 parameters. Writes <out>.json/.md.
 """
 from __future__ import annotations
@@ -101,8 +102,10 @@ def bench(name: str, implementations, *, iters: int, reps: int) -> list[dict]:
                    loss=float(loss))
         if ref is None:  # the fp32 truth: XLA on an fp32 embedding
             args = make_inputs(shape, 0)
-            ref = jax.jit(jax.grad(stack_loss(shape, "xla"), argnums=(0, 1, 2, 3)))(args[0].astype(jnp.float32), *args[1:])
-        row["grad_rms_ratio"] = [rms_ratio(a, b) for a, b in zip(grads, ref)]
+            ref = jax.jit(jax.value_and_grad(stack_loss(shape, "xla"), argnums=(0, 1, 2, 3)))(
+                args[0].astype(jnp.float32), *args[1:])
+        row["loss_fp32"] = float(ref[0])
+        row["grad_rms_ratio"] = [rms_ratio(a, b) for a, b in zip(grads, ref[1])]
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -154,11 +157,12 @@ def main(argv):
     sweeps = [r for s in _SHAPES.value for r in sweep(s, iters=_ITERS.value, reps=_REPS.value)] if _SWEEP.value else []
     env = environment()
     table = markdown_table(["shape", "implementation", "fwd+bwd ms", "vs xla", "compile s",
-                            "grad RMS ratio vs fp32 (emb, w, γ, c)"],
+                            "loss (fp32 truth)", "grad RMS ratio vs fp32 (emb, w, γ, c)"],
                            [[r["shape"], r["implementation"], r.get("fwd_bwd_ms", r.get("skipped")),
                              "" if "fwd_bwd_ms" not in r else
                              f"{next(x['fwd_bwd_ms'] for x in rows if x['shape'] == r['shape'] and 'fwd_bwd_ms' in x) / r['fwd_bwd_ms']:.2f}x",
-                             r.get("compile_s", ""), ", ".join(f"{e:.2g}" for e in r.get("grad_rms_ratio", []))]
+                             r.get("compile_s", ""),
+                             f"{r['loss']:.5g} ({r['loss_fp32']:.5g})" if "loss_fp32" in r else "", ", ".join(f"{e:.2g}" for e in r.get("grad_rms_ratio", []))]
                             for r in rows])
     lines = [f"# Block AttnRes depth mixes of a whole stack, fwd+bwd\n", environment_line(env), "",
              "`python -m experiments.bench_depth_attention` (stand-in sublayers; see the script's docstring).",

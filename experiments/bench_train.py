@@ -256,12 +256,19 @@ def main(argv):
                 rows.append(run_jla(config, steps=_STEPS.value, warmup=_WARMUP.value, timeout_s=_TIMEOUT.value))
         else:
             argv = [a for a in sys.argv[1:] if not a.startswith(("--rows", "--one_row", "--out"))]
-            proc = subprocess.run([sys.executable, "-m", "experiments.bench_train", f"--one_row={row}", *argv],
-                                  capture_output=True, text=True, timeout=_TIMEOUT.value)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH_ROW ")), None)
-            if line is None:
-                raise RuntimeError(f"row {row} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            rows.append(json.loads(line[len("BENCH_ROW "):]))
+            try:
+                proc = subprocess.run([sys.executable, "-m", "experiments.bench_train", f"--one_row={row}", *argv],
+                                      capture_output=True, text=True, timeout=_TIMEOUT.value)
+            except subprocess.TimeoutExpired as e:  # a row, not the end of the run; keep what it printed
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                rows.append({"row": row, "skipped": f"timed out after {_TIMEOUT.value:.0f} s",
+                             "stderr_tail": err[-2000:]})
+                print(err[-2000:], flush=True)
+            else:
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH_ROW ")), None)
+                if line is None:
+                    raise RuntimeError(f"row {row} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+                rows.append(json.loads(line[len("BENCH_ROW "):]))
         print(f"{row}: {json.dumps({k: v for k, v in rows[-1].items() if k in ('step_ms_median', 'tokens_per_s', 'compile_s', 'peak_memory_gib', 'final_loss', 'skipped')})} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         result = {"env": environment(), "flags": {"shape": _SHAPE.value, **common}, "rows": rows}
