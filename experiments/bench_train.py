@@ -47,7 +47,8 @@ SHAPES = {
     # parameters, 150 GiB of fp32 weights and Adam moments: more than one H200), 16 x 4096 tokens
     "1b": dict(model=dict(d_model=2048, num_layers=24, num_heads=16, head_dim=128, d_ff=5632, mixer_pattern="KKKA",
                           moe=dict(num_experts=64, top_k=8, d_ff=128), residual=dict(blocks=4)),
-               batch_size=16, seq_len=4096, doc_len=1000, jla_config="experiments/configs/jla_1b_shape.toml"),
+               batch_size=16, seq_len=4096, doc_len=1000, jla_config="experiments/configs/jla_1b_shape.toml",
+               scan_layers=True, remat="full"),  # unrolled without remat needs ~290 GiB
     "tiny": dict(model=dict(d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64, mixer_pattern="KA",
                             moe=dict(num_experts=4, top_k=2, d_ff=32), residual=dict(blocks=2)),
                  batch_size=2, seq_len=64, doc_len=40),
@@ -226,9 +227,9 @@ def _define_flags():
     _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {ROWS}.")
     _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per row (after --warmup).")
     _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling first step.")
-    _SCAN = flags.DEFINE_bool("scan_layers", False, "k3jax rows: model.scan_layers.")
-    _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
-                               "k3jax rows: model.remat (with --scan_layers).")
+    _SCAN = flags.DEFINE_bool("scan_layers", None, "k3jax rows: model.scan_layers (default: the shape's, else False).")
+    _REMAT = flags.DEFINE_enum("remat", None, ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+                               "k3jax rows: model.remat (with --scan_layers; default: the shape's, else none).")
     _OUT = flags.DEFINE_string("out", "experiments/results/train_step_h200", "Output prefix (<out>.json, .md).")
     _JLA_CONFIG = flags.DEFINE_string("jla_config", "", "jla TOML at the shape (default: the shape's own).")
     _ONE_ROW = flags.DEFINE_string("one_row", "", "Internal: run this k3jax row here and print its JSON.")
@@ -238,7 +239,10 @@ def _define_flags():
 def main(argv):
     from experiments.harness import environment, write_results  # noqa: PLC0415
     del argv
-    common = dict(steps=_STEPS.value, warmup=_WARMUP.value, scan_layers=_SCAN.value, remat=_REMAT.value)
+    shape = SHAPES[_SHAPE.value]
+    scan = shape.get("scan_layers", False) if _SCAN.value is None else _SCAN.value
+    remat = shape.get("remat", "none") if _REMAT.value is None else _REMAT.value
+    common = dict(steps=_STEPS.value, warmup=_WARMUP.value, scan_layers=scan, remat=remat)
     if _ONE_ROW.value:
         print("BENCH_ROW " + json.dumps(run_k3jax(_SHAPE.value, _ONE_ROW.value, **common)), flush=True)
         return
