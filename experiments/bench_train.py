@@ -23,6 +23,9 @@ of consecutive steps over `--steps` steps after `--warmup` (tokens/s from it), t
 (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the loss of the last step.
 Profiles op by op are `experiments/profile_step.py`'s job (one config, a trace); this script compares
 configs side by side, so it is its own entry point on the same harness.
+The rows inherit the environment: the "1b" k3_default row peaks at 114 GiB with the fused depth kernels,
+over the 104 GiB that XLA_PYTHON_CLIENT_MEM_FRACTION's default (0.75) leaves on an H200; run it with
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (recorded in the page).
 Writes <out>.json and <out>.md (date, device, versions).
 """
 from __future__ import annotations
@@ -212,7 +215,8 @@ def render(result: dict) -> str:
     lines = [f"# Whole training step, k3jax vs jla ({result['env']['date']}, {result['env']['device']})", "",
              environment_line(result["env"]), "",
              f"`experiments/bench_train.py --shape={f['shape']}`: {f['warmup']} warm-up steps then {f['steps']} timed; "
-             f"k3jax scan_layers={f['scan_layers']}, remat={f['remat']}. ms/step = median between the ends of "
+             f"k3jax scan_layers={f['scan_layers']}, remat={f['remat']}; "
+             f"XLA_PYTHON_CLIENT_MEM_FRACTION={f.get('xla_python_client_mem_fraction') or 'unset (0.75)'}. ms/step = median between the ends of "
              "consecutive steps (host one step ahead, as the trainers); compile = first step's wall seconds; memory = "
              "device peak (k3jax) / jla's compiled-step estimate; loss = cross-entropy of the last step (nats).", ""]
     lines += markdown_table(["row", "ms/step", "tokens/s", "vs jla", "compile s", "memory GiB", "loss", "steps"], table)
@@ -275,7 +279,9 @@ def main(argv):
                 rows.append(json.loads(line[len("BENCH_ROW "):]))
         print(f"{row}: {json.dumps({k: v for k, v in rows[-1].items() if k in ('step_ms_median', 'tokens_per_s', 'compile_s', 'peak_memory_gib', 'final_loss', 'skipped')})} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        result = {"env": environment(), "flags": {"shape": _SHAPE.value, **common}, "rows": rows}
+        result = {"env": environment(), "rows": rows,
+                  "flags": {"shape": _SHAPE.value, **common,
+                            "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}}
         write_results(_OUT.value, result, render(result))  # after every row: a later timeout keeps the rest
     print(render(result))
 

@@ -5,7 +5,11 @@ parameters, 0.56B active), Block AttnRes (4 blocks), exact Quantile Balancing, s
 "full" (unrolled does not fit one H200), bf16 compute; 16 x 4096 bytes per step of the Python stdlib corpus.
 The model is bench_train's k3_default row at that shape, so the two cannot drift apart.
 
-  python -m experiments.profile_step --config=experiments/configs/k3_1b_gpu.py --out=$OUT/profile_1b
+Its step peaks at 114 GiB (2026-12-04, with the fused depth-attention kernels), more than the 104 GiB that
+JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION (0.75) lets it take on an H200, so set the fraction:
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m experiments.profile_step \
+      --config=experiments/configs/k3_1b_gpu.py --out=$OUT/profile_1b
 """
 import ml_collections
 
