@@ -7,7 +7,8 @@
 #    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_h200.{json,md}.
 # 3. (TRAIN_SHAPE set, e.g. k3_small) experiments.bench_train --shape=$TRAIN_SHAPE --rows=$TRAIN_ROWS
 #    ($TRAIN_ARGS appended): $OUT_DIR/train_step_$TRAIN_SHAPE.{json,md}.
-# Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), TESTS (1), BENCH (1), TRAIN_SHAPE (unset),
+# Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results: set it, or the run overwrites the
+# committed pages), TESTS (1), BENCH (1), SWEEP (0), TRAIN_SHAPE (unset),
 # TRAIN_ROWS (k3_default,jla), TRAIN_ARGS (""), WORKERS (4). Wheels in .whl/ (experiments/gpu_wheels.txt)
 # are installed first when present. Exit status: the first failing step's.
 set -uo pipefail
@@ -35,7 +36,9 @@ if [ "$TESTS" = 1 ]; then
 rc=${PIPESTATUS[0]}
 fi
 if [ "$BENCH" = 1 ]; then
-  $PY -m experiments.bench_depth_attention ${SWEEP:+--sweep} --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
+  SWEEP_FLAG=()
+  if [ "${SWEEP:-0}" = 1 ]; then SWEEP_FLAG=(--sweep); fi
+  $PY -m experiments.bench_depth_attention "${SWEEP_FLAG[@]}" --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
 fi
 if [ -n "${TRAIN_SHAPE:-}" ]; then

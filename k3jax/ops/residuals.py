@@ -75,7 +75,8 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
     Args:
       sources: the depth sources, either one stacked array `[S, B, T, D]` (any leading shape after S
         works: `[S, ..., D]`) or a sequence of S arrays `[B, T, D]` of one shape and dtype. Prefer the
-        sequence inside a Python loop over layers: no stacked copy is made, so the backward pass keeps
+        sequence inside a Python loop over layers: no stacked copy is made (except by "pallas" with a
+        traced `num_valid`, which stacks the sequence into one buffer), so the backward pass keeps
         each source once however many sublayers read it (measured, XLA CPU temp memory of jit(grad)
         for 64 sublayers, in units of one [B, T, D] fp32 array: plain PreNorm 209, AttnRes with
         sequences 282 (N = 8) / 286 (N = 16), with a fresh jnp.stack per sublayer 589 / 870).
@@ -90,7 +91,7 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
         must hold finite values for their (zero) gradient to stay finite: zero-initialise buffers.
       return_weights: also return the depth weights.
       implementation: None (the Pallas kernels where their GPU tests ran: compiled on a CUDA device
-        of compute capability 9.0, for calls `pallas_kernels.depth_attention.supported` covers; else
+        of compute capability 9.0, tested on the H200 only, for calls `pallas_kernels.depth_attention.supported` covers; else
         "xla"), "xla" or "pallas" (an explicit "pallas" it cannot run raises).
       interpret: run the Pallas kernels in interpret mode (CPU); with implementation=None it keeps the
         dispatch on "xla".
@@ -137,6 +138,12 @@ def depth_attention_carry(buffer, pseudo_query, key_norm_scale, *, eps: float = 
     backward then adds the sources' gradient into the buffer's cotangent in place, reading and writing
     only the first `num_valid` slots, instead of materialising a full `[S, B, T, D]` gradient per call.
     With "xla" the buffer is returned as it is.
+
+    Args:
+      buffer: the source buffer `[S, B, T, D]` (any leading shape after S; bf16, fp16 or fp32 for
+        "pallas"); slots at and after `num_valid` must hold finite values (zero-initialise it).
+      pseudo_query, key_norm_scale, eps, num_valid, implementation, interpret: as `depth_attention`
+        (`w [D]`, `γ [D]`).
 
     Returns:
       `(out [B, T, D] in the buffer's dtype, weights [S, B, T] fp32, buffer)`.

@@ -8,8 +8,10 @@ Two call forms, as the model uses them:
     lets the backward add the sources' gradient into the buffer's cotangent in place, touching only
     the num_valid slots (XLA's autodiff of the masked mix reads and writes all S slots in fp32).
 Memory traffic per call, in units of one [N, D] source: forward n + 1 (n valid sources read once, the
-output written); backward 2n + 1 reads and n writes (2n + 1 and 2n with pass_through), plus an fp32
-partial of ∂L/∂q per program. Kernels: kernels.py. This package never imports k3jax.
+output written); backward, sequence form: 2n + 1 reads (two passes over the sources, the output's
+cotangent) and n writes; buffer form: 3n + 1 reads (also the n valid slots of the carried cotangent) and
+n writes in place (without a carried cotangent, XLA first zero-fills all S slots); plus an fp32 partial
+of ∂L/∂q per program. Kernels: kernels.py. This package never imports k3jax.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ MAX_D = 8192        # one [1, 8192] fp32 register tile per program at the smalle
 
 
 def supported(num_slots: int, d: int, dtype) -> tuple[bool, str]:
-    """Whether the kernels cover S = `num_slots` sources of hidden size `d` and `dtype`: (ok, why not)."""
+    """Whether the kernels cover S = `num_slots` sources of hidden size `d` and `dtype`: (ok, why not).
+
+    Shape and dtype only; whether the device can run them (a CUDA GPU, or interpret mode) is the caller's
+    check (`k3jax.ops.residuals` runs them by default on compute capability 9.0 only)."""
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return False, f"dtype {jnp.dtype(dtype)} is not one of {[str(t) for t in SUPPORTED_DTYPES]}"
     if not 1 <= num_slots <= MAX_SLOTS:
@@ -92,7 +97,8 @@ def depth_attention_pallas(sources, query, *, eps: float = 1e-6, num_valid=None,
     Args:
       sources: a sequence of S arrays `[..., D]` of one shape and dtype (bf16, fp16 or fp32), or one
         buffer `[S, ..., D]`.
-      query: `q [D]` fp32, the pseudo-query times the key RMSNorm scale (w ⊙ γ); its gradient is fp32.
+      query: `q [D]`, the pseudo-query times the key RMSNorm scale (w ⊙ γ); cast to fp32, and its
+        gradient is fp32.
       eps: the key RMSNorm epsilon.
       num_valid: buffers only: None (all S), a Python int in [1, S], or a traced int32 scalar (not
         range-checked; must be >= 1). Slots >= num_valid get weight 0 and zero gradient.
@@ -104,7 +110,8 @@ def depth_attention_pallas(sources, query, *, eps: float = 1e-6, num_valid=None,
       `(out [..., D] in the sources' dtype, weights [S, ...] fp32)`, plus the buffer with pass_through.
 
     Raises:
-      ValueError: sources of mixed shapes or dtypes, a call `supported` refuses, `query` not `[D]`,
+      ValueError: a buffer of rank < 2, an empty sequence, sources of mixed shapes or dtypes, a call
+        `supported` refuses, `query` not `[D]`,
         num_valid or pass_through with a sequence, a static num_valid outside [1, S].
     """
     buffer = not isinstance(sources, (list, tuple))

@@ -39,8 +39,10 @@ class Tuning:
     """Tile sizes and warps (a hashable jit-static value).
 
     fwd_elems / bwd_elems: elements of one [block_t, block_d] fp32 register tile (block_t =
-      elems // block_d, clipped to [1, 64] and to the token count); num_warps: Triton warps;
-      defaults: the best of bench_depth_attention's sweep at K3-small and 1b (H200, 2026-12-04);
+      elems // block_d, clipped to [1, 64] and to the token count rounded up to a power of two);
+      num_warps: Triton warps; fwd_elems = 4096 was the best forward tile of bench_depth_attention's
+      `--sweep` at K3-small and 1b (H200, 2026-12-04; that sweep's page was not kept, re-run it), the
+      other defaults were not beaten there;
       bwd_programs: target number of backward programs (each loops over several token tiles and
       writes one fp32 partial of ∂L/∂q, summed by XLA).
     """
