@@ -49,6 +49,7 @@ class DepthAttentionTests:
     interpret = True
     shapes = [(2, 37, 48), (1, 5, 64)]
     dtypes = [jnp.float32, jnp.bfloat16]
+    buffer_dtypes = dtypes
 
     def _pallas(self, sources, w, gamma, **kw):
         return R.depth_attention(sources, w, gamma, return_weights=True, implementation="pallas",
@@ -71,7 +72,7 @@ class DepthAttentionTests:
             xla_err = rms_ratio(r, b)
             assert_rms_close(f"grad leaf {i} (XLA's own error {xla_err:.3g})", r, a, max(tol["grad"], 1.5 * xla_err))
 
-    @pytest.mark.parametrize("num", [1, 2, 5])
+    @pytest.mark.parametrize("num", [1, 5])
     def test_sequence_forward_and_grads(self, num):
         for shape in self.shapes:
             for dtype in self.dtypes:
@@ -95,12 +96,13 @@ class DepthAttentionTests:
         ct = jnp.asarray(rng.standard_normal(shape), jnp.float32)
         ct_w = jnp.zeros((4, *shape[:-1]), jnp.float32)
         self._check(_loss(self._pallas, ct, ct_w, scale), _loss(self._xla, ct, ct_w, scale), (srcs, w, gamma),
-                    dtype, (0, 1, 2), scale)
+                    dtype, (0, 1, 2))
 
     @pytest.mark.parametrize("num_valid", [1, 3, 5])
     def test_buffer_static_and_traced_num_valid(self, num_valid):
+        """fp32 (the strict tolerance) on CPU; bf16 buffers: test_scan_with_pass_through and the GPU."""
         shape = self.shapes[0]
-        for dtype in self.dtypes:
+        for dtype in self.buffer_dtypes:
             srcs, w, gamma = _inputs(11, 5, shape, dtype)
             buf = jnp.stack(srcs)
             rng = np.random.default_rng(5)
@@ -165,6 +167,7 @@ class DepthAttentionTests:
 
 class TestInterpret(DepthAttentionTests):
     interpret = True
+    buffer_dtypes = [jnp.float32]
 
     def test_tile_edges(self):
         """Token tiles of 4 at D = 16 (64-element tiles), two backward programs: 1 token (a tile of 1),
