@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 
 from k3jax.ops.kda import kda, kda_recurrent
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES, LOSS_SCALE_GATES,
-                               LOSS_SCALES, assert_rms_close, kda_loss_and_grads, loss_scale_gates,
+                               LOSS_SCALES, RUN_BOUND, assert_rms_close, kda_loss_and_grads, loss_scale_gates,
                                make_kda_inputs, rms_ratio)
 
 
@@ -40,7 +40,7 @@ def numpy_kda(q, k, v, g, beta, h0, segment_ids, scale):
     return o, S_all
 
 
-@jax.jit
+@functools.partial(jax.jit, compiler_options=RUN_BOUND)
 def _oracle_loss_and_grads(inputs, do, dht):
     """One compile per shape, shared by both gate kinds."""
     return kda_loss_and_grads(
@@ -102,7 +102,7 @@ class KDAImplementationTests:
         inputs = x32 if dtype == "float32" else x
         lb = self._lower_bound(gate)
 
-        @jax.jit
+        @functools.partial(jax.jit, compiler_options=RUN_BOUND if shape[1] >= _SLOW_T else None)
         def under_test(inputs):
             return kda_loss_and_grads(
                 lambda q, k, v, g, beta, h0: self.run(q, k, v, g, beta, initial_state=h0,
