@@ -1,6 +1,6 @@
 """JAX's share of a training step's GPU compile, measured on any host (issue 26).
 
-  python -m experiments.lowering_time --shape=k3_small --out=experiments/results/lowering_k3_small_cpu
+  python -m experiments.lowering_time --shapes=k3_small,1b --reps=3 --out=experiments/results/lowering_cpu
 
 bench_train's compile seconds are JAX's trace and lowering to StableHLO (the Pallas kernels' Triton IR
 and Mosaic GPU modules included) plus XLA's backend compile. The first two are Python on the host and do
@@ -11,7 +11,7 @@ JAX APIs: the kernel plan's Hopper check, the Pallas Triton target, cuDNN's vers
 Grouped matmuls lower as XLA's (jla and tokamax are not installed on a CPU host). XLA's backend compile
 needs the GPU: bench_train records it (`backend_compile_s`).
 
-Per row (bench_train's like_for_like / k3_default at --shape, layers unrolled or scanned as bench_train
+Per row (bench_train's like_for_like / k3_default at each of --shapes, layers unrolled or scanned as bench_train
 runs them): trace seconds, lower seconds (median of --reps, caches cleared before each), the Mosaic GPU and
 Triton custom calls in the lowered module, and its size. Writes <out>.json and <out>.md.
 """
@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags():
-    flags.DEFINE_string("shape", "k3_small", "bench_train shape: k3_small, 1b or tiny.")
+    flags.DEFINE_list("shapes", ["k3_small"], "bench_train shapes: k3_small, 1b, tiny.")
     flags.DEFINE_list("rows", ["like_for_like", "k3_default"], "bench_train k3jax rows.")
     flags.DEFINE_enum("scan_layers", "default", ["default", "true", "false"],
                       "Scan the layers (remat full) or not; default: as bench_train at the shape.")
@@ -110,20 +110,22 @@ def main(argv):
     from experiments.harness import environment, environment_line, markdown_table, write_results  # noqa: PLC0415
     scan = {"default": None, "true": True, "false": False}[FLAGS.scan_layers]
     rows = []
-    for row in FLAGS.rows:
-        rows.append(lower_row(FLAGS.shape, row, scan_layers=scan, reps=FLAGS.reps))
-        print({k: v for k, v in rows[-1].items() if not k.endswith("_all")}, flush=True)
+    for shape in FLAGS.shapes:
+        for row in FLAGS.rows:
+            rows.append(lower_row(shape, row, scan_layers=scan, reps=FLAGS.reps))
+            print({k: v for k, v in rows[-1].items() if not k.endswith("_all")}, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = environment(commit=commit)
-    md = [f"# JAX trace + lowering of the train step for an H200 ({FLAGS.shape})", "", environment_line(env), "",
-          f"`python -m experiments.lowering_time --shape={FLAGS.shape} --rows={','.join(FLAGS.rows)} "
+    md = ["# JAX trace + lowering of the train step for an H200", "", environment_line(env), "",
+          f"`python -m experiments.lowering_time --shapes={','.join(FLAGS.shapes)} --rows={','.join(FLAGS.rows)} "
           f"--reps={FLAGS.reps}` at {commit or '?'}: seconds on this host (median of {FLAGS.reps}); XLA's backend "
           "compile is not included (bench_train's backend_compile_s).", ""]
-    md += markdown_table(["row", "layers", "trace s", "lower s", "Mosaic GPU calls", "Triton calls", "module MB"],
-                         [[r["row"], "scanned" if r["scan_layers"] else "unrolled", f"{r['trace_s']:.1f}",
+    md += markdown_table(["shape", "row", "layers", "trace s", "lower s", "Mosaic GPU calls", "Triton calls",
+                          "module MB"],
+                         [[r["shape"], r["row"], "scanned" if r["scan_layers"] else "unrolled", f"{r['trace_s']:.1f}",
                            f"{r['lower_s']:.1f}", r["mosaic_gpu_calls"], r["triton_calls"], f"{r['module_mb']:.1f}"]
                           for r in rows])
-    write_results(FLAGS.out, {"environment": env, "flags": {"shape": FLAGS.shape, "reps": FLAGS.reps}, "rows": rows},
+    write_results(FLAGS.out, {"environment": env, "flags": {"shapes": FLAGS.shapes, "reps": FLAGS.reps}, "rows": rows},
                   "\n".join(md) + "\n")
     print(f"wrote {FLAGS.out}.json and {FLAGS.out}.md")
 
