@@ -12,7 +12,7 @@ Grouped matmuls lower as XLA's (jla and tokamax are not installed on a CPU host)
 needs the GPU: bench_train records it (`backend_compile_s`).
 
 Per row (bench_train's like_for_like / k3_default at each of --shapes, layers unrolled or scanned as bench_train
-runs them): trace seconds, lower seconds (median of --reps, caches cleared before each), the Mosaic GPU and
+runs them; the trainer's `train_step` on abstract parameters): trace seconds, lower seconds (median of --reps, caches cleared before each), the Mosaic GPU and
 Triton custom calls in the lowered module, and its size. Writes <out>.json and <out>.md.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _define_flags():
     flags.DEFINE_list("rows", ["like_for_like", "k3_default"], "bench_train k3jax rows.")
     flags.DEFINE_enum("scan_layers", "default", ["default", "true", "false"],
                       "Scan the layers (remat full) or not; default: as bench_train at the shape.")
-    flags.DEFINE_integer("reps", 1, "Trace + lower repetitions per row (median).")
+    flags.DEFINE_integer("reps", 1, "Trace + lower repetitions per row (median).", lower_bound=1)
     flags.DEFINE_string("out", "/tmp/k3jax_lowering_time/lowering", "Output prefix (.json/.md).")
 
 
@@ -107,7 +107,12 @@ def main(argv):
     del argv
     import subprocess  # noqa: PLC0415
 
+    from experiments.bench_train import SHAPES, VARIANTS  # noqa: PLC0415
     from experiments.harness import environment, environment_line, markdown_table, write_results  # noqa: PLC0415
+    for name, given, known in (("shapes", FLAGS.shapes, SHAPES), ("rows", FLAGS.rows, VARIANTS)):
+        unknown = [x for x in given if x not in known]
+        if not given or unknown:
+            raise ValueError(f"--{name} must be a non-empty list from {sorted(known)}; got {given}")
     scan = {"default": None, "true": True, "false": False}[FLAGS.scan_layers]
     rows = []
     for shape in FLAGS.shapes:
@@ -125,7 +130,8 @@ def main(argv):
                          [[r["shape"], r["row"], "scanned" if r["scan_layers"] else "unrolled", f"{r['trace_s']:.1f}",
                            f"{r['lower_s']:.1f}", r["mosaic_gpu_calls"], r["triton_calls"], f"{r['module_mb']:.1f}"]
                           for r in rows])
-    write_results(FLAGS.out, {"environment": env, "flags": {"shapes": FLAGS.shapes, "reps": FLAGS.reps}, "rows": rows},
+    flag_values = {"shapes": FLAGS.shapes, "rows": FLAGS.rows, "scan_layers": FLAGS.scan_layers, "reps": FLAGS.reps}
+    write_results(FLAGS.out, {"environment": env, "flags": flag_values, "rows": rows},
                   "\n".join(md) + "\n")
     print(f"wrote {FLAGS.out}.json and {FLAGS.out}.md")
 

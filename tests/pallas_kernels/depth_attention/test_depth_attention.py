@@ -100,7 +100,8 @@ class DepthAttentionTests:
 
     @pytest.mark.parametrize("num_valid", [1, 3, 5])
     def test_buffer_static_and_traced_num_valid(self, num_valid):
-        """fp32 (the strict tolerance) on CPU; bf16 buffers: test_scan_with_pass_through and the GPU."""
+        """fp32 (the strict tolerance) in interpret mode; bf16 buffers with a static num_valid on the GPU only
+        (TestGPU), with a traced one also in test_scan_with_pass_through."""
         shape = self.shapes[0]
         for dtype in self.buffer_dtypes:
             srcs, w, gamma = _inputs(11, 5, shape, dtype)

@@ -566,7 +566,7 @@ class TestLowering:
     def test_layers_share_one_lowering(self):
         # Two calls on the same shapes (two layers of a model), differentiated: each kernel is lowered
         # once (the custom_vjp core is one jit whose traced jaxpr both calls share, forward and backward;
-        # before, the 4 Mosaic GPU kernels were lowered per call, ~2 s each: ~45 s of K3-small's compile).
+        # before, the 4 Mosaic GPU kernels were lowered per call, ~1.5 s each: ~30 s at K3-small).
         shapes = _shapes(128, 128, T=256)
 
         def layer(q, k, v, g, beta):
