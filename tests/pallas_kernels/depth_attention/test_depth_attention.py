@@ -21,6 +21,7 @@ import pytest
 from k3jax.ops import residuals as R
 from pallas_kernels.depth_attention import Tuning, depth_attention_pallas, supported
 from tests.kda_testing import assert_rms_close, rms_ratio
+from tests.pallas_kernels.kda.test_api import fake_h200
 
 TOL = {jnp.bfloat16: {"out": 0.005, "grad": 0.008}, jnp.float32: {"out": 2e-5, "grad": 2e-5}}
 
@@ -225,21 +226,11 @@ class TestGPU(DepthAttentionTests):
     shapes = [(4, 2048, 768), (2, 1000, 2048)]
 
 
-def _fake_h200():
-    from jax._src.pallas.triton import gpu_info  # private API
-    info = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90)
-    return mock.patch.object(gpu_info, "get_gpu_info", lambda: info)
-
-
 class TestLowering:
     """Both call forms lower for CUDA on a CPU host; the carried buffer's backward aliases it."""
 
     @pytest.mark.parametrize("d", [768, 2048])
     def test_lowers(self, d):
-        try:
-            fake = _fake_h200()
-        except (ImportError, AttributeError, TypeError) as e:
-            pytest.skip(f"cannot fake the GPU for the Triton lowering: {e!r}")
         buf = jax.ShapeDtypeStruct((5, 2, 256, d), jnp.bfloat16)
         q = jax.ShapeDtypeStruct((d,), jnp.float32)
 
@@ -250,7 +241,7 @@ class TestLowering:
         def listed(buf, q):
             out, _ = depth_attention_pallas((buf[0], buf[1], buf[2]), q)
             return jnp.sum(out.astype(jnp.float32))
-        with fake:
+        with fake_h200(True):
             texts = [jax.jit(jax.grad(carried, argnums=(0, 1))).trace(buf, q, jax.ShapeDtypeStruct((), jnp.int32))
                      .lower(lowering_platforms=("cuda",)).as_text(),
                      jax.jit(jax.grad(listed, argnums=(0, 1))).trace(buf, q).lower(lowering_platforms=("cuda",)).as_text()]
