@@ -568,11 +568,13 @@ def _union_ns(intervals) -> float:
     return total
 
 
-def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: int = 40) -> dict:
+def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: int = 40,
+                    unmarked_steps: int = 1) -> dict:
     """Per-op table, device-busy vs step wall time and groupings from `read_trace`'s output.
 
     `ops` holds every distinct (kernel, HLO op), longest first; `top` is how many the markdown shows.
-    Only op events inside the step windows count (all of them when the trace has no step events). Times
+    Only op events inside the step windows count (all of them when the trace has no step events: then the
+    trace is taken to span `unmarked_steps` steps, e.g. jla's profiler window of train.profile_steps). Times
     are per step (ms): self time (`self_times`) summed over the traced steps / number of steps; `share` =
     of the step wall time; device busy = union of the op intervals.
     """
@@ -587,7 +589,9 @@ def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: in
         n_steps = len(steps)
         wall_ns = sum(e - s for s, e in steps)
     else:
-        n_steps = 1
+        if unmarked_steps < 1:
+            raise ValueError(f"unmarked_steps must be >= 1, got {unmarked_steps}")
+        n_steps = unmarked_steps
         wall_ns = (max(o.start_ns + o.dur_ns for o in ops) - min(o.start_ns for o in ops)) if ops else 0.0
     hlo = dict(hlo or {})
     for name, op in list(hlo.items()):  # GPU kernels of XLA fusions are named like the fusion, '.' -> '_'
@@ -643,9 +647,10 @@ def summarize_trace(trace: dict, *, hlo: dict[str, HloOp] | None = None, top: in
             "host_events": host_rows, "inventory": trace["inventory"]}
 
 
-def parse_trace(path: str, *, hlo_text: str | None = None, top: int = 40) -> dict:
+def parse_trace(path: str, *, hlo_text: str | None = None, top: int = 40, unmarked_steps: int = 1) -> dict:
     """`summarize_trace(read_trace(path), hlo=parse_hlo(hlo_text))`: the profile of a trace folder or file."""
-    return summarize_trace(read_trace(path), hlo=parse_hlo(hlo_text) if hlo_text else None, top=top)
+    return summarize_trace(read_trace(path), hlo=parse_hlo(hlo_text) if hlo_text else None, top=top,
+                           unmarked_steps=unmarked_steps)
 
 
 def read_hlo_dump(folder: str, module: str = "train_step", *, keep_only: bool = False) -> str | None:

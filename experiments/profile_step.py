@@ -4,6 +4,8 @@
       --trace_dir=$OUT/k3_small_step_trace --warmup=0 --timed=2 --steps=2   # one H200, ~3 min with compile
   python -m experiments.profile_step --config=experiments/configs/k3_tiny.py --out=/tmp/k3_tiny_step   # CPU
   python -m experiments.profile_step --from_trace=/tmp/k3_tiny_step_trace --out=/tmp/again   # re-parse only
+  python -m experiments.profile_step --from_trace=<jla output_dir>/profile --hlo_dir=<its XLA dump> --trace_steps=2 \
+      --out=$OUT/jla_1b_step   # a peer's trace: jla's profiler window (train.profile_steps=2), no step markers
   python -m experiments.profile_step --layers --config=experiments/configs/k3_small_gpu.py --timed=10 --warmup=2 \
       --out=$OUT/k3_small_layers_h200   # per-sublayer fwd+bwd time (shares of the whole model's loss + grads)
 
@@ -306,6 +308,7 @@ def render_layers(env: dict, rows: list[dict]) -> str:
 def _define_flags():
     """Command-line flags, defined only when run as a script (tests import experiment modules together)."""
     global _LAYERS, _CONFIG, _OUT, _TRACE_DIR, _WARMUP, _TIMED, _STEPS, _HLO, _PYTHON_TRACER, _TOP, _FROM_TRACE, _HLO_DIR
+    global _TRACE_STEPS
     from absl import flags  # noqa: PLC0415
     from experiments.configs.common import define_config_file  # noqa: PLC0415
     _CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
@@ -325,6 +328,8 @@ def _define_flags():
                                       "<out>.json/.md (HLO from --hlo_dir).")
     _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "With --from_trace: folder of XLA's HLO dump ('' = "
                                    "<from_trace>/hlo).")
+    _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 1, "With --from_trace: how many steps a trace without "
+                                        "'train' step markers spans (jla's profiler window: train.profile_steps).")
 
 
 def main(argv):
@@ -344,7 +349,8 @@ def main(argv):
         env = {"date": "re-parse " + datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "device": find_xplane(_FROM_TRACE.value), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
                "flax": flax.__version__}
-        result = {"env": env, "profile": parse_trace(_FROM_TRACE.value, hlo_text=hlo_text, top=_TOP.value)}
+        result = {"env": env, "profile": parse_trace(_FROM_TRACE.value, hlo_text=hlo_text, top=_TOP.value,
+                                                      unmarked_steps=_TRACE_STEPS.value)}
     else:
         cfg = run_config_from_dict(_CONFIG.value.to_dict())
         trace_dir = _TRACE_DIR.value or _OUT.value + "_trace"
