@@ -25,7 +25,7 @@ SCAN_RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
 KDA_GATES = ("bounded", "softplus")
 KDA_IMPLEMENTATIONS = (None, "recurrent", "chunked", "pallas")
 SCORE_FUNCS = ("softmax", "sigmoid")
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "pallas_triton", "cudnn")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "pallas_triton", "cudnn", "jla")
 DEPTH_IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
@@ -68,8 +68,9 @@ class AttentionConfig:
     Attributes:
       rope: rotary position embedding (False = NoPE, as K3's hybrid).
       rope_theta: RoPE base (> 0).
-      implementation: None (the fastest supported: cuDNN flash attention on a CUDA GPU, XLA
-        elsewhere) | "xla" | "pallas_triton" | "cudnn" (`k3jax.ops.attention.causal_attention`).
+      implementation: None (the fastest supported: jla's Mosaic GPU flash attention on an H100/H200
+        with jla installed, else cuDNN flash attention on a CUDA GPU, XLA elsewhere) | "xla" |
+        "pallas_triton" | "cudnn" | "jla" (`k3jax.ops.attention.causal_attention`).
     """
 
     rope: bool = True

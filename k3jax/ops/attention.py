@@ -1,10 +1,13 @@
 """Causal softmax attention with document (segment) masking, and rotary position embeddings.
 
 `causal_attention` runs XLA's `jax.nn.dot_product_attention` (portable; the mask is materialised),
-cuDNN flash attention (the GPU default) or jax's Pallas flash attention with segment ids; `supported` says which
-runs a call and why not.
+jax-linear-attention's Mosaic GPU flash attention (the H100/H200 default: it skips the key blocks outside a
+query tile's document), cuDNN flash attention (dense document mask) or jax's Pallas flash attention with
+segment ids; `supported` says which runs a call and why not.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +31,29 @@ def segment_causal_mask(q_segment_ids, kv_segment_ids, q_positions=None, kv_posi
     return (same & causal)[:, None]
 
 
-IMPLEMENTATIONS = ("xla", "pallas_triton", "cudnn")
+IMPLEMENTATIONS = ("xla", "pallas_triton", "cudnn", "jla")
 # implementation=None on a CUDA GPU: the first that supports the call; "xla" otherwise. Measured on an
 # H200 at K3-small's attention (32 x 2048 x 6 x 128 bf16, 16 documents / row), fwd+bwd: cudnn 5.18 ms,
-# pallas_triton 5.83, xla 10.67 (experiments/results/attention_h200.md).
-GPU_AUTO_ORDER = ("cudnn", "pallas_triton")
+# pallas_triton 5.83, xla 10.67 (experiments/results/attention_h200.md); in the 1b train step (16 x 4096
+# x 16 x 128, documents of 1000 tokens) cudnn took 199 ms of attention per step, jla's trainer 29 ms
+# (experiments/results/profile_1b_like_for_like_h200*.md).
+GPU_AUTO_ORDER = ("jla", "cudnn", "pallas_triton")
 _FLASH_BLOCK = 128  # jax's Pallas flash attention forward tiles (BlockSizes.get_default())
+_JLA_MODULE = "jla.ops.mosaic_gpu.attention"
+
+
+def _jla_installed() -> bool:
+    """Whether jax-linear-attention can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec("jla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _jla_attention():
+    from jla.ops.mosaic_gpu import attention as jla_attention  # noqa: PLC0415 -- optional GPU dependency
+
+    return jla_attention
 
 
 def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool = False) -> tuple[bool, str]:
@@ -45,7 +65,11 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
     a multiple of 32), Dh a power of two in [16, 256] and bf16/fp16 inputs (fp32 only in interpret
     mode: compiled, its dots run in TF32). "cudnn" (`jax.nn.dot_product_attention(implementation=
     "cudnn")`, cuDNN flash attention; the segment mask goes in as a dense [B, 1, T, T] mask) needs a
-    CUDA GPU, bf16/fp16 inputs and Dh a multiple of 8 up to 128.
+    CUDA GPU, bf16/fp16 inputs and Dh a multiple of 8 up to 128. "jla" (jax-linear-attention 0.1.0's
+    `jla.ops.mosaic_gpu.attention.flash_attention`: FlashAttention-3-style Mosaic GPU kernels that load
+    only the key blocks inside a query tile's causal range and document, exact for any segment layout)
+    needs jla installed (experiments/gpu_wheels.txt), an sm_90 GPU, bf16/fp16 inputs and Dh 64 or 128
+    (jla's own `supported`).
 
     Raises:
       ValueError: unknown `implementation`.
@@ -56,6 +80,13 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
         return True, ""
     B, T, H, Dh = q.shape
     on_gpu = jax.default_backend() == "gpu"
+    if implementation == "jla":
+        if not on_gpu:
+            return False, f"jla needs a CUDA GPU; the backend is {jax.default_backend()!r}"
+        if not _jla_installed():
+            return False, "jla (jax-linear-attention) is not installed (experiments/gpu_wheels.txt lists the wheel)"
+        why = _jla_attention().supported(q, k, v)
+        return (True, "") if why is None else (False, f"jla: {why}")
     if implementation == "cudnn":
         if not on_gpu:
             return False, f"cudnn needs a CUDA GPU; the backend is {jax.default_backend()!r}"
@@ -94,7 +125,8 @@ def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: s
       segment_ids: optional [B, T] int32 document ids (packed sequences); None = one document per row.
       scale: logit scale, default Dh**-0.5.
       implementation: None (the fastest supported, `default_implementation`), "xla"
-        (`jax.nn.dot_product_attention` with a [B, 1, T, T] mask), "cudnn" (cuDNN flash attention) or
+        (`jax.nn.dot_product_attention` with a [B, 1, T, T] mask), "jla" (jax-linear-attention's
+        Mosaic GPU flash attention with segment ids), "cudnn" (cuDNN flash attention) or
         "pallas_triton" (jax's Pallas flash attention with segment ids); see `supported`.
       interpret: run "pallas_triton" in Pallas interpret mode (CPU tests).
 
@@ -115,6 +147,9 @@ def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: s
     if not ok:
         raise ValueError(f"causal_attention {implementation=} cannot run this call: {why}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation == "jla":
+        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        return _jla_attention().flash_attention(q, k, v, segment_ids=seg, scale=float(scale))
     if implementation == "pallas_triton":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
         T = q.shape[1]

@@ -72,10 +72,28 @@ def test_matches_the_fp32_softmax(implementation, dtype, segments, cotangent_sca
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="K3-small attention shape, compiled on a GPU")
-@pytest.mark.parametrize("implementation", ["pallas_triton", "cudnn"])
+@pytest.mark.parametrize("implementation", ["pallas_triton", "cudnn", "jla"])
 @pytest.mark.parametrize("segments", [False, True])
 def test_gpu_training_shape_matches_the_fp32_softmax(implementation, segments):
     _check(implementation, 2, 2048, 2, 128, jnp.bfloat16, segments, 1.0 / (2 * 2048))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled on a GPU")
+def test_gpu_jla_unsorted_and_repeated_document_ids():
+    """jla skips key blocks from the runs of equal ids; ids that recur later in a row (no block may be
+    skipped) and unsorted corpus ids must still give the exact document mask."""
+    B, T, H, Dh = 2, 1024, 2, 128
+    if not A.supported("jla", *(jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16),) * 3)[0]:
+        pytest.skip("jla does not run here")
+    q, k, v, do = _inputs(B, T, H, Dh, jnp.bfloat16)
+    t = np.arange(T)
+    seg = jnp.asarray(np.stack([np.where(t < 300, 8812, np.where(t < 700, 77, 5021)),  # unsorted ids
+                                np.where((t // 200) % 2 == 0, 1, 2)]), jnp.int32)     # 1, 2, 1, 2, ...
+    out, vjp = jax.vjp(lambda q, k, v: A.causal_attention(q, k, v, segment_ids=seg, implementation="jla"), q, k, v)
+    want, vjp_ref = jax.vjp(lambda q, k, v: _reference(q, k, v, seg), *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (out, *vjp(do.astype(out.dtype) / T)), (want, *vjp_ref(do / T))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)) < 2e-2, name
 
 
 def test_one_document_per_token_attends_to_itself_only():
@@ -97,6 +115,7 @@ def test_dispatch_and_errors():
     if jax.default_backend() != "gpu":
         assert A.default_implementation(q, q, q) == "xla"
         assert "CUDA GPU" in A.supported("cudnn", q, q, q)[1]
+        assert "CUDA GPU" in A.supported("jla", q, q, q)[1]
         with pytest.raises(ValueError, match="pallas_triton.*cannot run this call"):
             A.causal_attention(*(jnp.zeros((1, 128, 1, 16)),) * 3, implementation="pallas_triton")
     with pytest.raises(ValueError, match="implementation must be one of"):
