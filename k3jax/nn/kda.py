@@ -95,8 +95,10 @@ class KimiDeltaAttention(nnx.Module):
 
     # ------------------------------------------------------------------------------- pieces
     def _projections(self, x):
-        """x [B, T, D] -> pre-conv q|k|v [B, T, 3HK] (compute dtype)."""
-        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        """x [B, T, D] -> pre-conv q|k|v [B, T, 3HK] (compute dtype): one GEMM against the three kernels
+        side by side, so neither direction concatenates or slices [B, T, 3HK] activations."""
+        kernel = jnp.concatenate([p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)], axis=1)
+        return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
 
     def _gates(self, x):
         """x [B, T, D] -> (g [B,T,H,K] fp32, beta [B,T,H] fp32, output-gate logits [B,T,H,K])."""

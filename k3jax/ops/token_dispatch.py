@@ -147,14 +147,19 @@ def grouped_swiglu(
     Returns:
       ``[M, D]`` fp32.
 
+    The gate and up projections run as one grouped matmul against ``[W_g | W_u]`` (``[E, D, 2F]``), so
+    the rows are read once forward and the backward forms one ``d x``.
+
     Raises:
-      ValueError: from :func:`grouped_matmul` (ranks/shapes that do not chain, non-integer
-        ``group_sizes``, an ``implementation`` unknown or not supporting the call).
+      ValueError: ``w_gate`` and ``w_up`` of different shapes; from :func:`grouped_matmul` (ranks/shapes
+        that do not chain, non-integer ``group_sizes``, an ``implementation`` unknown or not supporting the call).
     """
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate and w_up must have one shape [E, D, F]; got {w_gate.shape=}, {w_up.shape=}")
     gmm = functools.partial(grouped_matmul, implementation=implementation, full_groups=full_groups)
-    g = gmm(x_sorted, w_gate, group_sizes)
-    u = gmm(x_sorted, w_up, group_sizes)
-    h = (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+    f = w_gate.shape[-1]
+    gu = gmm(x_sorted, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes)
+    h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x_sorted.dtype)
     return gmm(h, w_down, group_sizes)
 
 

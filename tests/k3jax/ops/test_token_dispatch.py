@@ -173,3 +173,29 @@ def test_capacity_moe_equals_loop_over_kept_rows(cf):
     if cf == 2.0:
         assert float(dropped) == 0.0
         np.testing.assert_allclose(y, TD.dropless_moe(x, ids, w, wg, wu, wd) * mask[:, None], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_swiglu_fused_gate_up_equals_three_gemms():
+    """grouped_swiglu's one [W_g | W_u] GEMM equals separate gate and up GEMMs (forward and gradients);
+    gate and up weights of different shapes raise."""
+    from k3jax.ops.grouped_matmul import grouped_matmul
+
+    ks = jax.random.split(jax.random.key(3), 4)
+    E, D, F, M = 4, 32, 48, 40
+    x = jax.random.normal(ks[0], (M, D), jnp.float32)
+    wg, wu = (jax.random.normal(k, (E, D, F), jnp.float32) * D ** -0.5 for k in ks[1:3])
+    wd = jax.random.normal(ks[3], (E, F, D), jnp.float32) * F ** -0.5
+    sizes = jnp.array([10, 0, 25, 5], jnp.int32)
+
+    def separate(x, wg, wu, wd):
+        g, u = grouped_matmul(x, wg, sizes, implementation="xla"), grouped_matmul(x, wu, sizes, implementation="xla")
+        return grouped_matmul(jax.nn.silu(g) * u, wd, sizes, implementation="xla")
+
+    fused = lambda x, wg, wu, wd: TD.grouped_swiglu(x, sizes, wg, wu, wd, implementation="xla")  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    (v, g), (v_ref, g_ref) = (jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3))(x, wg, wu, wd) for f in (fused, separate))
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="w_gate and w_up must have one shape"):
+        TD.grouped_swiglu(x, sizes, wg, wu[:, :, :-1], wd)
