@@ -257,3 +257,45 @@ def test_merge_groups_joins_seeds_and_refuses_conflicts():
     assert dr.scaled_settings(dr.Settings(steps=600), 1.25).steps == 750
     with pytest.raises(ValueError, match="token_multiplier"):
         dr.scaled_settings(dr.Settings(), 0.0)
+
+
+def test_compare_profiles_groups_ops_by_kind_of_work(tmp_path):
+    """Rows go to the first matching category; the table has one line per category and system; a trace
+    without step markers is divided by unmarked_steps."""
+    from experiments import compare_profiles as C
+    from experiments.harness import OpEvent, summarize_trace
+
+    def profile(rows, wall):
+        return {"profile": {"ops": [dict(kernel=k, kind=kind, source=src, component="", ms_per_step=ms)
+                                    for k, kind, src, ms in rows], "step_wall_ms": wall, "device_busy_ms": wall},
+                "env": {"date": "d"}}
+    ours = profile([("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "", "", 10.0),
+                    ("body_mosaic_gpu_kernel", "", "", 4.0), ("kda_intra_fwd_mgpu_mosaic_gpu_kernel", "", "", 3.0),
+                    ("input_reduce_fusion", "reduce",
+                     "k3jax/models/lm.py:183 LanguageModel._scan_stack.<locals>.sublayer", 2.0),
+                    ("loop_select_fusion", "gather", "k3jax/ops/token_dispatch.py:108 permute", 1.0),
+                    ("loop_add_fusion", "elementwise", "k3jax/nn/kda.py:114 KimiDeltaAttention._split_qkv", 5.0)], 30.0)
+    peer = profile([("kernel_dkv_mosaic_gpu_kernel", "", "", 2.0), ("vg_intra_mosaic_gpu_kernel", "", "", 3.0),
+                    ("input_add_reduce_fusion", "reduce", "norm.py:28 rms_norm", 2.0)], 9.0)
+    paths = []
+    for name, p in (("ours", ours), ("peer", peer)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(p, f)
+    result = C.compare(paths, ["k3jax", "jla"])
+    ours_c, peer_c = (s["categories"] for s in result["systems"])
+    assert ours_c == {"softmax attention": 10.0, "MoE grouped GEMM": 4.0, "KDA kernels (chunked scan)": 3.0,
+                      "norms": 2.0, "MoE routing, permute, combine": 1.0, C.OTHER: 5.0}
+    assert peer_c == {"softmax attention": 2.0, "KDA kernels (chunked scan)": 3.0, "norms": 2.0}
+    md = C.render(result)
+    assert "| softmax attention | 10.0 | 2.0 | -8.0 |" in md and "| step wall | 30.0 | 9.0 | -21.0 |" in md
+    with pytest.raises(ValueError, match="one name each"):
+        C.compare(paths, ["k3jax"])
+
+    events = [OpEvent("k", "op", "m", 0.0, 1e6, "line"), OpEvent("k", "op", "m", 3e6, 1e6, "line")]
+    trace = {"ops": events, "op_source": "device planes", "steps": [], "host_events": [], "inventory": []}
+    two = summarize_trace(trace, unmarked_steps=2)
+    assert two["steps"] == 2 and two["step_wall_ms"] == pytest.approx(2.0)
+    assert two["ops"][0]["ms_per_step"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unmarked_steps"):
+        summarize_trace(trace, unmarked_steps=0)

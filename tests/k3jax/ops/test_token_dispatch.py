@@ -193,7 +193,8 @@ def test_grouped_swiglu_fused_gate_up_equals_three_gemms():
 
     fused = lambda x, wg, wu, wd: TD.grouped_swiglu(x, sizes, wg, wu, wd, implementation="xla")  # noqa: E731
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
-    (v, g), (v_ref, g_ref) = (jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3))(x, wg, wu, wd) for f in (fused, separate))
+    (v, g), (v_ref, g_ref) = (jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+                              for f in (fused, separate))
     np.testing.assert_allclose(v, v_ref, rtol=1e-5)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
