@@ -19,7 +19,10 @@ from absl import app, flags
 
 # (category, rule on "kernel | kind | source | component"), first match wins.
 CATEGORIES = (
-    ("softmax attention", r"sdpa|flash_[bf]prop|kernel_dq|kernel_dkv|attention_fwd|attention\.py|mha"),
+    # the kernels (cuDNN's sdpa, jla's entry / kernel_dq / kernel_dkv) and the ops of the attention functions;
+    # the layers' projections and reshapes are GEMMs or glue, as in every other sublayer
+    ("softmax attention",
+     r"sdpa|flash_[bf]prop|^kernel_dq_|^kernel_dkv_|^entry_mosaic_gpu|flash_attention|causal_attention"),
     ("KDA kernels (chunked scan)", r"^(kda_|vg_)"),
     ("KDA short conv", r"short_conv|short_causal_conv"),
     ("MoE grouped GEMM", r"^body_mosaic_gpu_kernel|ragged_dot|grouped_matmul\.py"),

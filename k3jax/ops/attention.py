@@ -1,9 +1,9 @@
 """Causal softmax attention with document (segment) masking, and rotary position embeddings.
 
 `causal_attention` runs XLA's `jax.nn.dot_product_attention` (portable; the mask is materialised),
-jax-linear-attention's Mosaic GPU flash attention (the H100/H200 default: it skips the key blocks outside a
-query tile's document), cuDNN flash attention (dense document mask) or jax's Pallas flash attention with
-segment ids; `supported` says which runs a call and why not.
+jax-linear-attention's Mosaic GPU flash attention (the H100/H200 default: with packed documents it skips
+the key blocks before a query tile's document), cuDNN flash attention (dense document mask) or jax's
+Pallas flash attention with segment ids; `supported` says which runs a call and why not.
 """
 from __future__ import annotations
 
@@ -33,17 +33,15 @@ def segment_causal_mask(q_segment_ids, kv_segment_ids, q_positions=None, kv_posi
 
 IMPLEMENTATIONS = ("xla", "pallas_triton", "cudnn", "jla")
 # implementation=None on a CUDA GPU: the first that supports the call; "xla" otherwise. Measured on an
-# H200 at K3-small's attention (32 x 2048 x 6 x 128 bf16, 16 documents / row), fwd+bwd: cudnn 5.18 ms,
-# pallas_triton 5.83, xla 10.67 (experiments/results/attention_h200.md); in the 1b train step (16 x 4096
-# x 16 x 128, documents of 1000 tokens) cudnn took 199 ms of attention per step, jla's trainer 29 ms
-# (experiments/results/profile_1b_like_for_like_h200*.md).
+# H200, fwd+bwd with 4 documents a row (experiments/results/attention_h200.md): at 32 x 2048 x 6 x 128
+# bf16 jla 1.09 ms, cudnn 5.20, pallas_triton 5.84; at 16 x 4096 x 16 x 128 jla 4.42, cudnn 24.7,
+# pallas_triton 30.9 (xla: 10.7 and 31.8 ms at the 2026-12-03 shapes, git ca8f409).
 GPU_AUTO_ORDER = ("jla", "cudnn", "pallas_triton")
 _FLASH_BLOCK = 128  # jax's Pallas flash attention forward tiles (BlockSizes.get_default())
-_JLA_MODULE = "jla.ops.mosaic_gpu.attention"
 
 
 def _jla_installed() -> bool:
-    """Whether jax-linear-attention can be imported, without importing it."""
+    """Whether jax-linear-attention can be found, without importing it."""
     try:
         return importlib.util.find_spec("jla") is not None
     except (ImportError, ValueError):
@@ -66,10 +64,10 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
     mode: compiled, its dots run in TF32). "cudnn" (`jax.nn.dot_product_attention(implementation=
     "cudnn")`, cuDNN flash attention; the segment mask goes in as a dense [B, 1, T, T] mask) needs a
     CUDA GPU, bf16/fp16 inputs and Dh a multiple of 8 up to 128. "jla" (jax-linear-attention 0.1.0's
-    `jla.ops.mosaic_gpu.attention.flash_attention`: FlashAttention-3-style Mosaic GPU kernels that load
-    only the key blocks inside a query tile's causal range and document, exact for any segment layout)
-    needs jla installed (experiments/gpu_wheels.txt), an sm_90 GPU, bf16/fp16 inputs and Dh 64 or 128
-    (jla's own `supported`).
+    `jla.ops.mosaic_gpu.attention.flash_attention`: FlashAttention-3-style Mosaic GPU kernels; they skip
+    the key blocks in the causal future and, in rows where every document id forms one run, those before
+    the document of a tile's first query; exact for any segment layout) needs jla importable
+    (experiments/gpu_wheels.txt), an sm_90 GPU, bf16/fp16 inputs and Dh 64 or 128 (jla's own `supported`).
 
     Raises:
       ValueError: unknown `implementation`.
@@ -85,7 +83,10 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
             return False, f"jla needs a CUDA GPU; the backend is {jax.default_backend()!r}"
         if not _jla_installed():
             return False, "jla (jax-linear-attention) is not installed (experiments/gpu_wheels.txt lists the wheel)"
-        why = _jla_attention().supported(q, k, v)
+        try:
+            why = _jla_attention().supported(q, k, v)
+        except Exception as e:  # noqa: BLE001 -- a broken install refuses the call (fail-closed), never crashes it
+            return False, f"jla could not be imported or checked: {type(e).__name__}: {e}"
         return (True, "") if why is None else (False, f"jla: {why}")
     if implementation == "cudnn":
         if not on_gpu:

@@ -276,7 +276,8 @@ def test_compare_profiles_groups_ops_by_kind_of_work(tmp_path):
                     ("loop_select_fusion", "gather", "k3jax/ops/token_dispatch.py:108 permute", 1.0),
                     ("loop_add_fusion", "elementwise", "k3jax/nn/kda.py:114 KimiDeltaAttention._split_qkv", 5.0)], 30.0)
     peer = profile([("kernel_dkv_mosaic_gpu_kernel", "", "", 2.0), ("vg_intra_mosaic_gpu_kernel", "", "", 3.0),
-                    ("input_add_reduce_fusion", "reduce", "norm.py:28 rms_norm", 2.0)], 9.0)
+                    ("input_add_reduce_fusion", "reduce", "norm.py:28 rms_norm", 2.0),
+                    ("loop_multiply_select_fusion", "dynamic-slice", "linear_attention.py:86 _mamba_gate", 1.5)], 9.0)
     paths = []
     for name, p in (("ours", ours), ("peer", peer)):
         paths.append(str(tmp_path / f"{name}.json"))
@@ -286,7 +287,7 @@ def test_compare_profiles_groups_ops_by_kind_of_work(tmp_path):
     ours_c, peer_c = (s["categories"] for s in result["systems"])
     assert ours_c == {"softmax attention": 10.0, "MoE grouped GEMM": 4.0, "KDA kernels (chunked scan)": 3.0,
                       "norms": 2.0, "MoE routing, permute, combine": 1.0, C.OTHER: 5.0}
-    assert peer_c == {"softmax attention": 2.0, "KDA kernels (chunked scan)": 3.0, "norms": 2.0}
+    assert peer_c == {"softmax attention": 2.0, "KDA kernels (chunked scan)": 3.0, "norms": 2.0, C.OTHER: 1.5}
     md = C.render(result)
     assert "| softmax attention | 10.0 | 2.0 | -8.0 |" in md and "| step wall | 30.0 | 9.0 | -21.0 |" in md
     with pytest.raises(ValueError, match="one name each"):

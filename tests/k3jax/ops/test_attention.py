@@ -96,6 +96,39 @@ def test_gpu_jla_unsorted_and_repeated_document_ids():
         assert np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)) < 2e-2, name
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled on a GPU")
+@pytest.mark.parametrize("cotangent_scale", [1.0, 1.0 / (2 * 200)])
+def test_gpu_jla_head_dim_64_padded_length_and_one_token_documents(cotangent_scale):
+    """jla at Dh 64 with T = 200 (padded to 256 inside jla), documents of one token and random cuts."""
+    B, T, H, Dh = 2, 200, 2, 64
+    if not A.supported("jla", *(jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16),) * 3)[0]:
+        pytest.skip("jla does not run here")
+    q, k, v, do = _inputs(B, T, H, Dh, jnp.bfloat16)
+    seg = np.asarray(_segments(B, T))
+    seg[1, 100:110] = np.arange(1000, 1010)  # ten one-token documents, then the row's last document again
+    seg = jnp.asarray(seg)
+    out, vjp = jax.vjp(lambda q, k, v: A.causal_attention(q, k, v, segment_ids=seg, implementation="jla"), q, k, v)
+    want, vjp_ref = jax.vjp(lambda q, k, v: _reference(q, k, v, seg), *(x.astype(jnp.float32) for x in (q, k, v)))
+    do = do * cotangent_scale
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (out, *vjp(do.astype(out.dtype))), (want, *vjp_ref(do))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)) < 2e-2, name
+
+
+def test_jla_that_cannot_be_imported_is_refused_not_raised(monkeypatch):
+    """A jla that is found but fails to import (e.g. built for another jax) refuses the call, so
+    implementation=None falls back to cuDNN instead of crashing."""
+    def broken():
+        raise ImportError("jla built against another jaxlib")
+    monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(A, "_jla_installed", lambda: True)
+    monkeypatch.setattr(A, "_jla_attention", broken)
+    q = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    ok, why = A.supported("jla", q, q, q)
+    assert not ok and "could not be imported" in why and "another jaxlib" in why
+    assert A.default_implementation(q, q, q) == "cudnn"
+
+
 def test_one_document_per_token_attends_to_itself_only():
     q, k, v, _ = _inputs(1, 64, 1, 16, jnp.bfloat16)
     seg = jnp.arange(1, 65, dtype=jnp.int32)[None]
