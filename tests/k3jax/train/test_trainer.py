@@ -325,10 +325,11 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
 def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     """A real process killed with SIGTERM mid-run saves; the rerun continues with identical losses."""
     cache = tmp_path / "cache"
+    steps = 60  # ~0.1 s a step here: the signal, sent after 5 logged steps, lands seconds before the end
     args = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=2",
             "--config.model.head_dim=16", "--config.model.d_ff=64", f"--config.data.source={SMALL_CORPUS}",
             "--config.data.seq_len=32", "--config.data.batch_size=4", f"--config.data.cache_dir={cache}",
-            "--config.train.steps=300", "--config.train.warmup_steps=2", "--config.train.eval_every=1000",
+            f"--config.train.steps={steps}", "--config.train.warmup_steps=2", "--config.train.eval_every=1000",
             "--config.train.eval_batches=1", "--config.train.log_every=1", "--config.train.checkpoint_every=1000",
             "--config.train.sample_tokens=0"]
     # one persistent compilation cache for the three processes: the later two load the step, not compile it
@@ -346,14 +347,14 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     saved = [int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit()]
-    assert len(saved) == 1 and 5 <= saved[0] < 300
+    assert len(saved) == 1 and 5 <= saved[0] < steps
     stop = saved[0]
     # resume to the end, and compare with a straight run
     for wd in (workdir, tmp_path / "straight"):
         subprocess.run([sys.executable, "-m", "experiments.train", f"--config.workdir={wd}", *args],
                        cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lk, ls = _losses(workdir), _losses(tmp_path / "straight")
-    assert sorted(lk) == list(range(1, 301))
+    assert sorted(lk) == list(range(1, steps + 1))
     assert lk == ls
 
 
