@@ -7,8 +7,6 @@ Pallas flash attention with segment ids; `supported` says which runs a call and 
 """
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 
@@ -38,14 +36,6 @@ IMPLEMENTATIONS = ("xla", "pallas_triton", "cudnn", "jla")
 # pallas_triton 30.9 (xla: 10.7 and 31.8 ms at the 2026-12-03 shapes, git ca8f409).
 GPU_AUTO_ORDER = ("jla", "cudnn", "pallas_triton")
 _FLASH_BLOCK = 128  # jax's Pallas flash attention forward tiles (BlockSizes.get_default())
-
-
-def _jla_installed() -> bool:
-    """Whether jax-linear-attention can be found, without importing it."""
-    try:
-        return importlib.util.find_spec("jla") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _jla_attention():
@@ -81,10 +71,10 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
     if implementation == "jla":
         if not on_gpu:
             return False, f"jla needs a CUDA GPU; the backend is {jax.default_backend()!r}"
-        if not _jla_installed():
-            return False, "jla (jax-linear-attention) is not installed (experiments/gpu_wheels.txt lists the wheel)"
         try:
             why = _jla_attention().supported(q, k, v)
+        except ModuleNotFoundError as e:  # jla itself or one of its dependencies
+            return False, f"jla (jax-linear-attention) is not installed ({e}; experiments/gpu_wheels.txt lists the wheels)"
         except Exception as e:  # noqa: BLE001 -- a broken install refuses the call (fail-closed), never crashes it
             return False, f"jla could not be imported or checked: {type(e).__name__}: {e}"
         return (True, "") if why is None else (False, f"jla: {why}")

@@ -116,17 +116,22 @@ def test_gpu_jla_head_dim_64_padded_length_and_one_token_documents(cotangent_sca
 
 
 def test_jla_that_cannot_be_imported_is_refused_not_raised(monkeypatch):
-    """A jla that is found but fails to import (e.g. built for another jax) refuses the call, so
+    """A jla that is missing or fails to import (e.g. built for another jax) refuses the call, so
     implementation=None falls back to cuDNN instead of crashing."""
     def broken():
         raise ImportError("jla built against another jaxlib")
     monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(A, "_jla_installed", lambda: True)
     monkeypatch.setattr(A, "_jla_attention", broken)
     q = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
     ok, why = A.supported("jla", q, q, q)
     assert not ok and "could not be imported" in why and "another jaxlib" in why
     assert A.default_implementation(q, q, q) == "cudnn"
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'jla'")
+    monkeypatch.setattr(A, "_jla_attention", missing)
+    ok, why = A.supported("jla", q, q, q)
+    assert not ok and why.startswith("jla (jax-linear-attention) is not installed (No module named 'jla'")
 
 
 def test_one_document_per_token_attends_to_itself_only():
