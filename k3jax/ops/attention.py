@@ -74,7 +74,8 @@ def supported(implementation: str, q, k, v, *, segment_ids=None, interpret: bool
         try:
             why = _jla_attention().supported(q, k, v)
         except ModuleNotFoundError as e:  # jla itself or one of its dependencies
-            return False, f"jla (jax-linear-attention) is not installed ({e}; experiments/gpu_wheels.txt lists the wheels)"
+            return False, (f"jla (jax-linear-attention) is not installed ({e}; experiments/gpu_wheels.txt "
+                           "lists the wheels)")
         except Exception as e:  # noqa: BLE001 -- a broken install refuses the call (fail-closed), never crashes it
             return False, f"jla could not be imported or checked: {type(e).__name__}: {e}"
         return (True, "") if why is None else (False, f"jla: {why}")
