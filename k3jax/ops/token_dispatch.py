@@ -134,6 +134,7 @@ def grouped_swiglu(
     *,
     implementation: str | None = None,
     full_groups: bool = False,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows: ``(silu(x W_g) ⊙ x W_u) W_d`` per group (Shazeer 2020).
 
@@ -143,9 +144,11 @@ def grouped_swiglu(
         cast back to the compute dtype before the down projection.
       implementation, full_groups: passed to :func:`grouped_matmul` (``full_groups``: the caller
         promises ``sum(group_sizes) == M``).
+      out_dtype: dtype of the down projection's output (accumulated in fp32 either way; the "jla"
+        kernels return the compute dtype, so fp32 there is a cast up).
 
     Returns:
-      ``[M, D]`` fp32.
+      ``[M, D]`` in ``out_dtype``.
 
     The gate and up projections run as one grouped matmul against ``[W_g | W_u]`` (``[E, D, 2F]``), so
     the rows are read once forward and the backward forms one ``d x``.
@@ -160,7 +163,7 @@ def grouped_swiglu(
     f = w_gate.shape[-1]
     gu = gmm(x_sorted, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes)
     h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x_sorted.dtype)
-    return gmm(h, w_down, group_sizes)
+    return gmm(h, w_down, group_sizes, preferred_element_type=out_dtype)
 
 
 def dropless_moe(
@@ -195,8 +198,10 @@ def dropless_moe(
     num_experts = w_gate.shape[0]
     x_sorted, perm = permute(x, expert_ids, num_experts)
     # permute's group sizes count every one of the N·k rows: the groups are full.
+    # expert outputs in the compute dtype: the permutation gathers (and their cotangents) move half the
+    # bytes; combine sums the k slots in fp32
     y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation,
-                              full_groups=True)
+                              full_groups=True, out_dtype=x.dtype)
     return combine(y_sorted, perm, weights)
 
 
@@ -352,9 +357,10 @@ def expert_parallel_dropless_moe(
     order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=num_local).astype(jnp.int32)  # sentinel not counted
     y_sorted = grouped_swiglu(
-        jnp.take(recv, order, axis=0), group_sizes, w_gate, w_up, w_down, implementation=implementation
+        jnp.take(recv, order, axis=0), group_sizes, w_gate, w_up, w_down, implementation=implementation,
+        out_dtype=x.dtype,  # the return all_to_all moves the compute dtype
     )
     y_recv = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     back = jax.lax.all_to_all(y_recv.reshape(shards, rows, -1), expert_axis, 0, 0, tiled=False)
     y_rows = jnp.take(back.reshape(shards * rows, -1), send_index, axis=0).reshape(num_tokens, top_k, -1)
-    return jnp.einsum("nkd,nk->nd", y_rows, weights.astype(jnp.float32))
+    return jnp.einsum("nkd,nk->nd", y_rows.astype(jnp.float32), weights.astype(jnp.float32))
