@@ -104,7 +104,7 @@ def test_gpu_jla_head_dim_64_padded_length_and_one_token_documents(cotangent_sca
     if not A.supported("jla", *(jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16),) * 3)[0]:
         pytest.skip("jla does not run here")
     q, k, v, do = _inputs(B, T, H, Dh, jnp.bfloat16)
-    seg = np.asarray(_segments(B, T))
+    seg = np.array(_segments(B, T))  # a writable copy
     seg[1, 100:110] = np.arange(1000, 1010)  # ten one-token documents, then the row's last document again
     seg = jnp.asarray(seg)
     out, vjp = jax.vjp(lambda q, k, v: A.causal_attention(q, k, v, segment_ids=seg, implementation="jla"), q, k, v)
