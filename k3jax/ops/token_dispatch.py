@@ -57,24 +57,65 @@ class Permutation(NamedTuple):
     inverse: jax.Array
 
 
-@jax.custom_vjp
-def _permute_rows(x, index, inverse):
-    """``x[index]`` for a permutation ``index`` of the rows of ``x [M, D]`` (``inverse`` its inverse);
-    the gradient is the gather ``g[inverse]``, not a scatter-add."""
-    return jnp.take(x, index, axis=0)
+def _gather_sum(y: jax.Array, index: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """``out[n] = Σ_j w[n, j] · y[index[n, j]]`` in fp32 (``w = 1`` when weights is None); index ``[N, k]``.
+
+    One gather per slot, summed in order, so XLA fuses the k gathers and the sum into one pass over
+    ``[N, D]`` instead of materialising ``[N, k, D]``."""
+    total = None
+    for j in range(index.shape[1]):
+        row = jnp.take(y, index[:, j], axis=0).astype(jnp.float32)
+        if weights is not None:
+            row = row * weights[:, j:j + 1].astype(jnp.float32)
+        total = row if total is None else total + row
+    return total
 
 
-def _permute_rows_fwd(x, index, inverse):
-    return jnp.take(x, index, axis=0), (index, inverse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, order, inverse, top_k):
+    """``x_sorted[s] = x[order[s] // k]``: the k copies of every token in expert order ``[N·k, D]``;
+    the gradient gathers each token's k rows back and sums them (no scatter-add)."""
+    return jnp.take(x, order // top_k, axis=0)
 
 
-def _permute_rows_bwd(res, g):
-    index, inverse = res
+def _dispatch_fwd(x, order, inverse, top_k):
+    return _dispatch(x, order, inverse, top_k), (order, inverse, jnp.zeros((0,), x.dtype))
+
+
+def _dispatch_bwd(top_k, res, g):
+    order, inverse, like = res
     int_zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return jnp.take(g, inverse, axis=0), int_zero(index), int_zero(inverse)
+    return _gather_sum(g, inverse.reshape(-1, top_k)).astype(like.dtype), int_zero(order), int_zero(inverse)
 
 
-_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _weighted_combine(y_sorted, weights, order, inverse):
+    """``y[n] = Σ_j weights[n, j] · y_sorted[inverse[n·k + j]]`` (fp32 ``[N, D]``); the gradients are
+    gathers and row sums (no scatter-add)."""
+    return _gather_sum(y_sorted, inverse.reshape(weights.shape), weights)
+
+
+def _weighted_combine_fwd(y_sorted, weights, order, inverse):
+    return _weighted_combine(y_sorted, weights, order, inverse), (y_sorted, weights, order, inverse)
+
+
+def _weighted_combine_bwd(res, g):
+    y_sorted, weights, order, inverse = res
+    top_k = weights.shape[1]
+    int_zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    g = g.astype(jnp.float32)
+    w_sorted = jnp.take(weights.reshape(-1).astype(jnp.float32), order)
+    dy_sorted = (jnp.take(g, order // top_k, axis=0) * w_sorted[:, None]).astype(y_sorted.dtype)
+    index = inverse.reshape(weights.shape)
+    dweights = jnp.stack([jnp.sum(jnp.take(y_sorted, index[:, j], axis=0).astype(jnp.float32) * g, axis=-1)
+                          for j in range(top_k)], axis=1).astype(weights.dtype)
+    return dy_sorted, dweights, int_zero(order), int_zero(inverse)
+
+
+_weighted_combine.defvjp(_weighted_combine_fwd, _weighted_combine_bwd)
 
 
 def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
@@ -83,8 +124,8 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.
 
     Sorts and gathers only (no scatter in the forward or the backward): one stable sort of the ids gives
     the order, a second sort its inverse, a binary search of the sorted ids the group sizes; the copies
-    are a broadcast (its gradient a sum over the k slots) and a permutation gather whose gradient is
-    the inverse gather.
+    are one gather from ``x`` (row ``s`` reads token ``order[s] // k``) whose gradient gathers each
+    token's k rows and sums them in fp32 (jla's gather-only ``dispatch_rows`` formulation).
 
     Args:
       x: ``[N, D]`` tokens. expert_ids: ``[N, k]`` int in ``[0, E)``. num_experts: E.
@@ -97,20 +138,21 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.
     """
     if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"need x [N, D] and expert_ids [N, k]; got {x.shape=}, {expert_ids.shape=}")
-    num_tokens, top_k = expert_ids.shape
+    top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     rows = jnp.arange(flat.shape[0], dtype=jnp.int32)
     sorted_ids, order = jax.lax.sort((flat, rows), num_keys=1, is_stable=True)
     _, inverse = jax.lax.sort((order, rows), num_keys=1)
     bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
     group_sizes = jnp.diff(bounds).astype(jnp.int32)
-    copies = jnp.broadcast_to(x[:, None], (num_tokens, top_k, x.shape[1])).reshape(num_tokens * top_k, -1)
-    x_sorted = _permute_rows(copies, order, inverse)
+    x_sorted = _dispatch(x, order, inverse, top_k)
     return x_sorted, Permutation(order=order, group_sizes=group_sizes, inverse=inverse)
 
 
 def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.Array:
-    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32); gathers only.
+    """Inverse of :func:`permute` plus the weighted sum over the k slots (in fp32); gathers only: one
+    fused pass of k gathers forward; backward ``d y_sorted`` gathers the token cotangents through
+    ``order`` and ``d weights`` is a row dot of the gathered rows.
 
     Args:
       y_sorted: ``[N·k, D]`` expert outputs in sorted order. perm: from :func:`permute`.
@@ -119,10 +161,7 @@ def combine(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.A
     Returns:
       ``[N, D]`` fp32, ``y_i = Σ_s w_is · y_sorted[row of (i, s)]``.
     """
-    num_tokens, top_k = weights.shape
-    y = _permute_rows(y_sorted, perm.inverse, perm.order)
-    y = y.reshape(num_tokens, top_k, -1).astype(jnp.float32)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+    return _weighted_combine(y_sorted, weights, perm.order, perm.inverse)
 
 
 def grouped_swiglu(

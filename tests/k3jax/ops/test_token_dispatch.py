@@ -95,8 +95,8 @@ def test_sort_gather_permutation_equals_the_scatter_one_forward_and_gradients(nu
         if name == "new":
             jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
             assert "scatter" not in jaxpr
-    for a, b in zip(outs["old"], outs["new"]):
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    for a, b in zip(outs["old"], outs["new"]):  # fp32 sums in another order: a few ulps
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_dropless_equals_dense_loop_forward_and_gradients():
