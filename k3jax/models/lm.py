@@ -134,7 +134,7 @@ class LanguageModel(nnx.Module):
         return residual_ops.attnres_forward(h, fns, self.layout, queries, scales, eps=self.cfg.norm_eps,
                                             implementation=self.cfg.residual.implementation)
 
-    def _scan_stack(self, h, segment_ids, positions, train: bool):
+    def _scan_stack(self, h, segment_ids, positions, train: bool, keep_inputs: bool = False):
         """The stack as one `lax.scan` over the G = num_layers / P repeats of the P-layer mixer pattern.
 
         Each period's modules are rebuilt inside the scan body from the layers' states stacked over G
@@ -144,7 +144,9 @@ class LanguageModel(nnx.Module):
         mix reads the first `num_sources[l]` slots (`BlockLayout.scan_inputs`; the buffer is threaded
         through `depth_attention_carry`, so the Pallas backward updates its cotangent in place). Returns what
         `_run_stack` returns (depth weights padded to N + 1 sources are cut to each mix's count) and the
-        MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body.
+        MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body. Each sublayer's
+        input is reduced to a finiteness flag inside the body (`sublayer_finite`); the inputs themselves are
+        stacked out of the scan only with `keep_inputs` (diagnostics).
         """
         cfg = self.cfg
         period = len(cfg.mixer_pattern)
@@ -189,7 +191,7 @@ class LanguageModel(nnx.Module):
             return ffn(norm(x))
 
         def body(carry, xs):
-            inputs, weights, aux = [], [], [None] * period
+            inputs, finite, weights, aux = [], [], [], [None] * period
             for i in range(2 * period):
                 if attnres:
                     x, w, carry = residual_ops.depth_attention_carry(
@@ -198,7 +200,9 @@ class LanguageModel(nnx.Module):
                     weights.append(w)
                 else:
                     x = carry
-                inputs.append(x)
+                finite.append(jnp.all(jnp.isfinite(jax.lax.stop_gradient(x))))
+                if keep_inputs:
+                    inputs.append(x)
                 out = sublayer(i, x, xs, aux)
                 if attnres:
                     slot = xs["slot"][i]
@@ -206,8 +210,8 @@ class LanguageModel(nnx.Module):
                     carry = jax.lax.dynamic_update_index_in_dim(carry, updated, slot, 0)
                 else:
                     carry = carry + out
-            return carry, {"inputs": jnp.stack(inputs), "weights": jnp.stack(weights) if weights else None,
-                           "aux": aux if cfg.ffn == "moe" else None}
+            return carry, {"inputs": jnp.stack(inputs) if keep_inputs else None, "finite": jnp.stack(finite),
+                           "weights": jnp.stack(weights) if weights else None, "aux": aux if cfg.ffn == "moe" else None}
 
         if cfg.remat != "none":
             policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
@@ -215,17 +219,18 @@ class LanguageModel(nnx.Module):
         carry, ys = jax.lax.scan(body, carry, xs)
         num_sublayers = cfg.num_sublayers
         unstack = lambda a: [a[l // (2 * period), l % (2 * period)] for l in range(num_sublayers)]  # noqa: E731
-        inputs = tuple(unstack(ys["inputs"]))
+        inputs = tuple(unstack(ys["inputs"])) if keep_inputs else ()
+        finite = ys["finite"].reshape(-1)  # [G, 2 period] -> [L], sublayer order
         moe_aux = []
         if cfg.ffn == "moe":
             moe_aux = [jax.tree.map(lambda a, g=l // period: a[g], ys["aux"][l % period])
                        for l in range(cfg.num_layers)]
         if not attnres:
-            return residual_ops.DepthForward(hidden=carry, sublayer_inputs=inputs, depth_weights=()), moe_aux
+            return residual_ops.DepthForward(carry, inputs, (), finite), moe_aux
         hidden, final_w = residual_ops.depth_attention(carry, queries[-1], scales[-1], eps=cfg.norm_eps,
                                                        return_weights=True, implementation=cfg.residual.implementation)
         weights = tuple(w[:n] for w, n in zip(unstack(ys["weights"]), self.layout.num_sources)) + (final_w,)
-        return residual_ops.DepthForward(hidden=hidden, sublayer_inputs=inputs, depth_weights=weights), moe_aux
+        return residual_ops.DepthForward(hidden, inputs, weights, finite), moe_aux
 
     def _ffn_call(self, segment_ids, train, moe_aux):
         def call(layer, x):
@@ -249,9 +254,11 @@ class LanguageModel(nnx.Module):
         weight = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.head.kernel[...]
         return self.final_norm(h), weight
 
-    def forward(self, inputs, *, segment_ids=None, positions=None, train: bool = True):
-        """Like `__call__`, but returns `(logits, aux, DepthForward)` with per-sublayer inputs and depth
-        weights for diagnostics."""
+    def forward(self, inputs, *, segment_ids=None, positions=None, train: bool = True,
+                keep_sublayer_inputs: bool = False):
+        """Like `__call__`, but returns `(logits, aux, DepthForward)` with depth weights and per-sublayer
+        finiteness; the per-sublayer inputs too where the layers are unrolled, or with
+        `keep_sublayer_inputs` (the scanned stack then stacks them over depth: L activations)."""
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [B, T] token ids, got {inputs.shape=}")
         if segment_ids is None:
@@ -259,7 +266,8 @@ class LanguageModel(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         if self.cfg.scan_layers:
-            depth, moe_aux = self._scan_stack(self.embed(inputs), segment_ids, positions, train)
+            depth, moe_aux = self._scan_stack(self.embed(inputs), segment_ids, positions, train,
+                                              keep_inputs=keep_sublayer_inputs)
             return self._logits(depth.hidden), {"moe": moe_aux}, depth
         moe_aux = []
         mixer_call = lambda layer, x: self.mixers[layer](x, segment_ids=segment_ids, positions=positions)  # noqa: E731
@@ -274,7 +282,8 @@ class LanguageModel(nnx.Module):
         """Depth diagnostics on a batch (eval mode): per-sublayer input RMS `[L]`, cosine between
         consecutive sublayer inputs `[L-1]`, and the mean depth weights `[L+1, max sources]` (AttnRes
         schemes only; rows = sublayers then the final mix, columns = sources b_0, b_1, ..., partial)."""
-        _, _, depth = self.forward(inputs, segment_ids=segment_ids, positions=positions, train=False)
+        _, _, depth = self.forward(inputs, segment_ids=segment_ids, positions=positions, train=False,
+                                   keep_sublayer_inputs=True)
         out = {"hidden_rms": jnp.stack([residual_ops.hidden_rms(x).mean() for x in depth.sublayer_inputs]),
                "cosine": residual_ops.consecutive_cosine(list(depth.sublayer_inputs))}
         if depth.depth_weights:

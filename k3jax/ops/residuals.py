@@ -390,11 +390,15 @@ class DepthForward(NamedTuple):
     sublayer_inputs: L arrays `[B, T, D]`, the input h_l each sublayer f_l was called with.
     depth_weights: for AttnRes, L + 1 fp32 arrays `[S_l, B, T]` (per sublayer, then the final mix);
       empty for the schemes without depth weights.
+    sublayer_finite: `[L]` bool, whether each sublayer's input was all finite, or None. The scanned
+      model computes it inside its scan and keeps `sublayer_inputs` empty unless asked for them (stacked
+      over depth they would hold L activations: 24 GiB at the 1b shape).
     """
 
     hidden: Array
     sublayer_inputs: tuple[Array, ...]
     depth_weights: tuple[Array, ...]
+    sublayer_finite: Array | None = None
 
 
 def _check_sublayers(sublayer_fns, layout: BlockLayout | None, embedding):

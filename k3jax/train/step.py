@@ -56,8 +56,12 @@ def _forward_loss(model: LanguageModel, batch, train: bool, loss_chunk_size: int
     loss = ce + balance
     # One bool per probe, in forward order: the stream after the embedding (= sublayer 0's input), after
     # each sublayer, the logits, the loss (the activation names of `finiteness_names`).
-    probes = (*depth.sublayer_inputs, depth.hidden, logits, loss)
+    # The scanned stack reduced its sublayer inputs to flags inside the scan (`sublayer_finite`).
+    scanned = depth.sublayer_finite is not None
+    probes = (*(() if scanned else depth.sublayer_inputs), depth.hidden, logits, loss)
     finite = jnp.stack([_all_finite(jax.lax.stop_gradient(x)) for x in probes])
+    if scanned:
+        finite = jnp.concatenate([depth.sublayer_finite, finite])
     return loss, (ce, nats, count, aux, finite)
 
 
