@@ -19,7 +19,8 @@ step loop on synthetic data of the shape (Markov tokens over the vocabulary, doc
 tokens packed into each row with segment ids and positions): the host dispatches step n + 1 before it
 reads step n's metrics and puts the next batch on the device one step ahead, as the trainer. Per row:
 compile (wall seconds of the first step, XLA backend compile seconds), the median ms between the ends
-of consecutive steps over `--steps` steps after `--warmup` (tokens/s from it), the device's peak memory
+of consecutive steps over `--steps` steps after `--warmup` (tokens/s from it; one more step runs untimed
+after them, so that every timed end is read as the trainer reads it), the device's peak memory
 (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the loss of the last step.
 Profiles op by op are `experiments/profile_step.py`'s job (one config, a trace); this script compares
 configs side by side, so it is its own entry point on the same harness.
@@ -123,7 +124,7 @@ def run_k3jax(shape: str, row: str, *, steps: int, warmup: int, scan_layers: boo
     total = 1 + warmup + steps
     counter = CompileCounter()
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=total, warmup_steps=max(total // 10, 1))),
+    optimizer = nnx.Optimizer(model, make_optimizer(TrainConfig(steps=total + 1, warmup_steps=max(total // 10, 1))),
                               wrt=nnx.Param)
     host = markov_batches(min(total, 8), s["batch_size"], s["seq_len"], s["doc_len"], cfg.vocab_size)
     step = bind_train_step(model, optimizer)  # as the trainer: no graph traversal per call
@@ -134,16 +135,17 @@ def run_k3jax(shape: str, row: str, *, steps: int, warmup: int, scan_layers: boo
     compile_stats = counter.reset()
     ends, losses, pending = [], [float(first["ce"])], None
     batch = jax.device_put(host[1 % len(host)])
-    for n in range(1, total):
+    # One step more than timed: every timed step's end is read right after the next step's dispatch (the
+    # last read, with nothing dispatched behind it, came ~0.8 s early on the H200 at 1b and is not timed).
+    for n in range(1, total + 1):
         metrics = step(batch)
-        if n + 1 < total:
+        if n < total:
             batch = jax.device_put(host[(n + 1) % len(host)])  # on the device before it is needed
         if pending is not None:
             losses.append(float(jax.device_get(pending)["ce"]))
             ends.append(time.perf_counter())
         pending = metrics
     losses.append(float(jax.device_get(pending)["ce"]))
-    ends.append(time.perf_counter())
     step_ms = np.diff(ends[warmup - 1:] if warmup else [t0 + compile_s, *ends]) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
@@ -154,7 +156,7 @@ def run_k3jax(shape: str, row: str, *, steps: int, warmup: int, scan_layers: boo
             "step_ms": step_ms.tolist(), "tokens_per_s": tokens / median * 1e3, "compile_s": compile_s,
             "backend_compile_s": compile_stats.get("backend_compile_s", 0.0),
             "peak_memory_gib": None if peak is None else peak / 2**30, "final_loss": losses[-1],
-            "steps_run": total, "losses": losses}
+            "steps_run": total + 1, "losses": losses}
 
 
 _JLA_STEP = re.compile(r"step (\d+)/\d+ \| loss ([\d.naninf]+) .*?\| ([\d,]+) tok/s .*?\| ([\d.]+) ms/step")
