@@ -50,19 +50,26 @@ from experiments.harness import (CompileCounter, STEP_NAME, environment as _envi
 # ----------------------------------------------------------------------------------------------- the run
 
 
-def build(cfg):
+def build(cfg, doc_len: int = 0):
     """Model, optimizer and training batch iterator exactly as `k3jax.train.trainer.train` makes them
-    (fresh: no checkpoint restored)."""
+    (fresh: no checkpoint restored). `doc_len` > 0: instead of the config's corpus, bench_train's synthetic
+    Markov batches with documents of `doc_len` tokens (what bench_train and jla's trainer run)."""
+    import itertools  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     from k3jax.data.corpus import load_corpus  # noqa: PLC0415
     from k3jax.data.pipeline import make_train_loader  # noqa: PLC0415
     from k3jax.models.lm import LanguageModel  # noqa: PLC0415
     from k3jax.train.optimizer import make_optimizer  # noqa: PLC0415
-    train_corpus = load_corpus(cfg.data.source, "train", cache_dir=cfg.data.cache_dir or None)
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg.train), wrt=nnx.Param)
-    data_iter = make_train_loader(train_corpus.tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                                  seed=cfg.seed)
+    if doc_len > 0:
+        from experiments.bench_train import markov_batches  # noqa: PLC0415
+        data_iter = itertools.cycle(markov_batches(8, cfg.data.batch_size, cfg.data.seq_len, doc_len,
+                                                   cfg.model.vocab_size, seed=cfg.seed))
+    else:
+        train_corpus = load_corpus(cfg.data.source, "train", cache_dir=cfg.data.cache_dir or None)
+        data_iter = make_train_loader(train_corpus.tokens, batch_size=cfg.data.batch_size,
+                                      seq_len=cfg.data.seq_len, seed=cfg.seed)
     return model, optimizer, data_iter
 
 
@@ -71,15 +78,16 @@ def _next_batch(data_iter):
 
 
 def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo: str = "dump",
-                python_tracer: bool = False, top: int = 40) -> dict:
+                python_tracer: bool = False, top: int = 40, doc_len: int = 0) -> dict:
     """Compile, warm up, time and trace the trainer's step for `cfg` (see the module docstring).
 
     Args:
       hlo: "dump" (read `<trace_dir>/hlo`, which `main` asks XLA to fill during the compile), "recompile"
         (`train_step.lower(...).compile()` once more after the trace: a second full compile unless the
         persistent cache hits) or "none".
+      doc_len: see `build` (0: the config's corpus).
     Raises:
-      ValueError: steps < 1, timed < 1, warmup < 0 or an unknown `hlo`.
+      ValueError: steps < 1, timed < 1, warmup < 0, doc_len < 0 or an unknown `hlo`.
     """
     from experiments.harness import CompileCounter  # noqa: PLC0415
     from k3jax.train.step import bind_train_step, train_step  # noqa: PLC0415
@@ -87,6 +95,8 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
         raise ValueError(f"need steps >= 1, timed >= 1, warmup >= 0, got {steps=}, {timed=}, {warmup=}")
     if hlo not in ("dump", "recompile", "none"):
         raise ValueError(f"hlo must be 'dump', 'recompile' or 'none', got {hlo=}")
+    if doc_len < 0:
+        raise ValueError(f"doc_len must be >= 0 (0: the config's corpus), got {doc_len=}")
     counter = CompileCounter()
     phases: dict[str, float] = collections.defaultdict(float)  # jax's own compile-phase durations
 
@@ -96,7 +106,7 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     t0 = time.perf_counter()
-    model, optimizer, data_iter = build(cfg)
+    model, optimizer, data_iter = build(cfg, doc_len)
     build_s = time.perf_counter() - t0
     from k3jax.train.trainer import loss_chunk_size  # noqa: PLC0415
     chunk = loss_chunk_size(cfg)
@@ -144,7 +154,9 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
         hlo_text = None
     profile = parse_trace(trace_dir, hlo_text=hlo_text, top=top)
     B, T = cfg.data.batch_size, cfg.data.seq_len
-    return {"build_s": build_s, "first_step_s": first_step_s, "compile": compile_stats, "timing_median": timing,
+    data = (f"synthetic Markov tokens, documents of {doc_len} tokens (bench_train's)" if doc_len
+            else f"the config's corpus ({cfg.data.source})")
+    return {"data": data, "build_s": build_s, "first_step_s": first_step_s, "compile": compile_stats, "timing_median": timing,
             "timing_steps": rows, "tokens_per_step": B * T, "tokens_per_s": B * T / timing["step_s"],
             "traced_step_s": traced, "trace_dir": trace_dir, "hlo": hlo, "hlo_found": hlo_text is not None,
             "hlo_recompile": recompiled, "profile": profile}
@@ -167,7 +179,7 @@ def render(result: dict) -> str:
     if "timing_median" in result:
         t = result["timing_median"]
         ph = ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].get("phases_s", {}).items())
-        lines += ["", f"{result['tokens_per_step']:,} tokens per step. Compile: first step {result['first_step_s']:.1f} s "
+        lines += ["", f"{result['tokens_per_step']:,} tokens per step ({result.get('data', 'the corpus')}). Compile: first step {result['first_step_s']:.1f} s "
                   f"(XLA backend compile {result['compile'].get('backend_compile_s', 0.0):.1f} s; jax phases: {ph}); "
                   f"build (corpus, model, optimizer) {result['build_s']:.1f} s.", "",
                   f"Untraced steps (median of {len(result['timing_steps'])}): step {t['step_s'] * 1e3:.1f} ms "
@@ -308,7 +320,7 @@ def render_layers(env: dict, rows: list[dict]) -> str:
 def _define_flags():
     """Command-line flags, defined only when run as a script (tests import experiment modules together)."""
     global _LAYERS, _CONFIG, _OUT, _TRACE_DIR, _WARMUP, _TIMED, _STEPS, _HLO, _PYTHON_TRACER, _TOP, _FROM_TRACE, _HLO_DIR
-    global _TRACE_STEPS
+    global _TRACE_STEPS, _DOC_LEN
     from absl import flags  # noqa: PLC0415
     from experiments.configs.common import define_config_file  # noqa: PLC0415
     _CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
@@ -324,6 +336,9 @@ def _define_flags():
                              "the compile (free), a second compile, or nowhere.")
     _PYTHON_TRACER = flags.DEFINE_bool("python_tracer", False, "Trace Python calls too (slows the host side).")
     _TOP = flags.DEFINE_integer("top", 40, "Rows of the per-op table.")
+    _DOC_LEN = flags.DEFINE_integer("doc_len", 0, "Instead of the config's corpus: bench_train's synthetic Markov "
+                                    "batches with documents of this many tokens (1000: as bench_train and jla's "
+                                    "trainer), so that the profile compares with theirs. 0: the corpus.")
     _FROM_TRACE = flags.DEFINE_string("from_trace", "", "Only re-parse this trace folder/.xplane.pb and write "
                                       "<out>.json/.md (HLO from --hlo_dir).")
     _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "With --from_trace: folder of XLA's HLO dump ('' = "
@@ -358,7 +373,8 @@ def main(argv):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={trace_dir}/hlo "
                                        "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*").strip()
         result = profile_run(cfg, warmup=_WARMUP.value, timed=_TIMED.value, steps=_STEPS.value, trace_dir=trace_dir,
-                             hlo=_HLO.value, python_tracer=_PYTHON_TRACER.value, top=_TOP.value)
+                             hlo=_HLO.value, python_tracer=_PYTHON_TRACER.value, top=_TOP.value,
+                             doc_len=_DOC_LEN.value)
         result["env"] = environment(cfg)
     write(result, _OUT.value)
     print(render(result))

@@ -80,6 +80,23 @@ def test_tiny_config_profile_writes_table_json_and_md(tmp_path):
     assert "## Top" in md and p["ops"][0]["kernel"] in md and "device busy" in md
 
 
+def test_profile_step_synthetic_documents_are_the_corpus_loaders_batches():
+    """--doc_len feeds bench_train's batches: the keys, shapes and dtypes of the corpus loader's, with a new
+    document (segment id, position 0) every doc_len tokens."""
+    d = k3_tiny.get_config().to_dict()
+    d["data"].update(seq_len=64, batch_size=2)
+    cfg = run_config_from_dict(d)
+    _, _, corpus_iter = profile_step.build(cfg)
+    _, _, synthetic_iter = profile_step.build(cfg, doc_len=40)
+    a, b = next(corpus_iter), next(synthetic_iter)
+    assert {k: (np.shape(v), np.asarray(v).dtype) for k, v in a.items()} == \
+        {k: (np.shape(v), np.asarray(v).dtype) for k, v in b.items()}
+    np.testing.assert_array_equal(b["segment_ids"][0, 38:42], [1, 1, 2, 2])
+    np.testing.assert_array_equal(b["positions"][0, 38:42], [38, 39, 0, 1])
+    with pytest.raises(ValueError, match="doc_len"):
+        profile_step.profile_run(cfg, warmup=0, timed=1, steps=1, trace_dir="/tmp/unused", doc_len=-1)
+
+
 def test_tiny_sweep_writes_one_finite_row_per_variant(tmp_path):
     settings = dr.Settings(d_model=16, num_heads=2, head_dim=8, d_ff=32, seq_len=16, batch_size=2, steps=2,
                            warmup_steps=1, eval_every=1, eval_batches=1, residual_blocks=8)
