@@ -21,7 +21,7 @@ reads step n's metrics and puts the next batch on the device one step ahead, as 
 compile (wall seconds of the first step, XLA backend compile seconds), the median ms between the ends
 of consecutive steps over `--steps` steps after `--warmup` (tokens/s from it; one more step runs untimed
 after them, so that every timed end is read as the trainer reads it), the device's peak memory
-(`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the loss of the last step.
+(`memory_stats()["peak_bytes_in_use"]`, where the backend reports it) and the loss of the last timed step.
 Profiles op by op are `experiments/profile_step.py`'s job (one config, a trace); this script compares
 configs side by side, so it is its own entry point on the same harness.
 The rows inherit the environment: the "1b" k3_default row peaks at 114 GiB with the fused depth kernels,
@@ -155,7 +155,8 @@ def run_k3jax(shape: str, row: str, *, steps: int, warmup: int, scan_layers: boo
             "tokens_per_step": tokens, "steps_timed": int(step_ms.size), "step_ms_median": median,
             "step_ms": step_ms.tolist(), "tokens_per_s": tokens / median * 1e3, "compile_s": compile_s,
             "backend_compile_s": compile_stats.get("backend_compile_s", 0.0),
-            "peak_memory_gib": None if peak is None else peak / 2**30, "final_loss": losses[-1],
+            "peak_memory_gib": None if peak is None else peak / 2**30,
+            "final_loss": losses[-2],  # the last timed step's (the untimed one after it is not counted)
             "steps_run": total + 1, "losses": losses}
 
 

@@ -156,8 +156,8 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     B, T = cfg.data.batch_size, cfg.data.seq_len
     data = (f"synthetic Markov tokens, documents of {doc_len} tokens (bench_train's)" if doc_len
             else f"the config's corpus ({cfg.data.source})")
-    return {"data": data, "build_s": build_s, "first_step_s": first_step_s, "compile": compile_stats, "timing_median": timing,
-            "timing_steps": rows, "tokens_per_step": B * T, "tokens_per_s": B * T / timing["step_s"],
+    return {"data": data, "build_s": build_s, "first_step_s": first_step_s, "compile": compile_stats,
+            "timing_median": timing, "timing_steps": rows, "tokens_per_step": B * T, "tokens_per_s": B * T / timing["step_s"],
             "traced_step_s": traced, "trace_dir": trace_dir, "hlo": hlo, "hlo_found": hlo_text is not None,
             "hlo_recompile": recompiled, "profile": profile}
 
@@ -179,7 +179,8 @@ def render(result: dict) -> str:
     if "timing_median" in result:
         t = result["timing_median"]
         ph = ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].get("phases_s", {}).items())
-        lines += ["", f"{result['tokens_per_step']:,} tokens per step ({result.get('data', 'the corpus')}). Compile: first step {result['first_step_s']:.1f} s "
+        lines += ["", f"{result['tokens_per_step']:,} tokens per step ({result.get('data', 'the corpus')}). "
+                  f"Compile: first step {result['first_step_s']:.1f} s "
                   f"(XLA backend compile {result['compile'].get('backend_compile_s', 0.0):.1f} s; jax phases: {ph}); "
                   f"build (corpus, model, optimizer) {result['build_s']:.1f} s.", "",
                   f"Untraced steps (median of {len(result['timing_steps'])}): step {t['step_s'] * 1e3:.1f} ms "

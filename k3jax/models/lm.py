@@ -256,9 +256,9 @@ class LanguageModel(nnx.Module):
 
     def forward(self, inputs, *, segment_ids=None, positions=None, train: bool = True,
                 keep_sublayer_inputs: bool = False):
-        """Like `__call__`, but returns `(logits, aux, DepthForward)` with depth weights and per-sublayer
-        finiteness; the per-sublayer inputs too where the layers are unrolled, or with
-        `keep_sublayer_inputs` (the scanned stack then stacks them over depth: L activations)."""
+        """Like `__call__`, but returns `(logits, aux, DepthForward)` with the depth weights. Unrolled: the
+        per-sublayer inputs (`sublayer_finite` None). Scanned: `sublayer_finite`, and the inputs only with
+        `keep_sublayer_inputs` (the scan then stacks them over depth: L activations)."""
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [B, T] token ids, got {inputs.shape=}")
         if segment_ids is None:

@@ -387,7 +387,8 @@ class DepthForward(NamedTuple):
     """Result of a reference forward over depth.
 
     hidden: `[B, T, D]`, what the final norm reads.
-    sublayer_inputs: L arrays `[B, T, D]`, the input h_l each sublayer f_l was called with.
+    sublayer_inputs: L arrays `[B, T, D]`, the input h_l each sublayer f_l was called with (empty where
+      `sublayer_finite` stands in for them).
     depth_weights: for AttnRes, L + 1 fp32 arrays `[S_l, B, T]` (per sublayer, then the final mix);
       empty for the schemes without depth weights.
     sublayer_finite: `[L]` bool, whether each sublayer's input was all finite, or None. The scanned

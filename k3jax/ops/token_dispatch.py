@@ -183,8 +183,8 @@ def grouped_swiglu(
         cast back to the compute dtype before the down projection.
       implementation, full_groups: passed to :func:`grouped_matmul` (``full_groups``: the caller
         promises ``sum(group_sizes) == M``).
-      out_dtype: dtype of the down projection's output (accumulated in fp32 either way; the "jla"
-        kernels return the compute dtype, so fp32 there is a cast up).
+      out_dtype: dtype of the down projection's output (`preferred_element_type` of the grouped matmul;
+        the "jla" kernels accumulate in fp32 and return the compute dtype, so fp32 there is a cast up).
 
     Returns:
       ``[M, D]`` in ``out_dtype``.
