@@ -57,6 +57,11 @@ class Permutation(NamedTuple):
     inverse: jax.Array
 
 
+def _no_cotangent(a) -> np.ndarray:
+    """The cotangent of an integer input of a custom VJP (float0 zeros of its shape)."""
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
 def _gather_sum(y: jax.Array, index: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """``out[n] = Σ_j w[n, j] · y[index[n, j]]`` in fp32 (``w = 1`` when weights is None); index ``[N, k]``.
 
@@ -79,13 +84,13 @@ def _dispatch(x, order, inverse, top_k):
 
 
 def _dispatch_fwd(x, order, inverse, top_k):
-    return _dispatch(x, order, inverse, top_k), (order, inverse, jnp.zeros((0,), x.dtype))
+    return _dispatch(x, order, inverse, top_k), (inverse, jnp.zeros((0,), x.dtype))
 
 
 def _dispatch_bwd(top_k, res, g):
-    order, inverse, like = res
-    int_zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return _gather_sum(g, inverse.reshape(-1, top_k)).astype(like.dtype), int_zero(order), int_zero(inverse)
+    inverse, like = res  # order has inverse's shape
+    dx = _gather_sum(g, inverse.reshape(-1, top_k)).astype(like.dtype)
+    return dx, _no_cotangent(inverse), _no_cotangent(inverse)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -105,14 +110,13 @@ def _weighted_combine_fwd(y_sorted, weights, order, inverse):
 def _weighted_combine_bwd(res, g):
     y_sorted, weights, order, inverse = res
     top_k = weights.shape[1]
-    int_zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
     g = g.astype(jnp.float32)
     w_sorted = jnp.take(weights.reshape(-1).astype(jnp.float32), order)
     dy_sorted = (jnp.take(g, order // top_k, axis=0) * w_sorted[:, None]).astype(y_sorted.dtype)
     index = inverse.reshape(weights.shape)
     dweights = jnp.stack([jnp.sum(jnp.take(y_sorted, index[:, j], axis=0).astype(jnp.float32) * g, axis=-1)
                           for j in range(top_k)], axis=1).astype(weights.dtype)
-    return dy_sorted, dweights, int_zero(order), int_zero(inverse)
+    return dy_sorted, dweights, _no_cotangent(order), _no_cotangent(inverse)
 
 
 _weighted_combine.defvjp(_weighted_combine_fwd, _weighted_combine_bwd)
