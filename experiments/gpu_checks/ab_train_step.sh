@@ -25,7 +25,9 @@ rc=0
 for p in "${names[@]}"; do
   name=$(basename "$p" .patch)
   if (( SECONDS + ROW_S > BUDGET_S )); then echo "skipped $name: ${SECONDS} s of ${BUDGET_S} s used"; continue; fi
-  if [ "$p" != main ]; then patch -s -p1 < "$p" || { echo "patch $p does not apply"; rc=1; continue; }; fi
+  if [ "$p" != main ]; then  # dry run first: a patch that fails half-way would leave the tree changed
+    { patch -s -p1 --dry-run < "$p" > /dev/null && patch -s -p1 < "$p"; } || { echo "patch $p does not apply"; rc=1; continue; }
+  fi
   XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} $PY -m experiments.bench_train --shape="${SHAPE:-1b}" \
     --rows="${ROWS:-like_for_like}" --steps="${STEPS:-12}" --warmup="${WARMUP:-3}" --out="$OUT_DIR/ab_$name" 2>&1 | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
