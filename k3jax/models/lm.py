@@ -51,7 +51,9 @@ class LanguageModel(nnx.Module):
 
     `__call__(inputs [B, T] int32, *, segment_ids [B, T], positions [B, T])` returns
     `(logits [B, T, padded_vocab] fp32, aux)`; `aux` is a dict with "moe" (a list of per-MoE-layer aux
-    dicts, empty for MLP models). Parameters are fp32; activations in `cfg.dtype`.
+    dicts, empty for MLP models). Parameters are fp32; activations in `cfg.dtype`. `segment_ids`: one id per
+    packed document, its tokens contiguous, no id reused later in the row (KDA and its conv restart at every
+    change of id, softmax attention masks by equal ids: a reused id would join two documents there only).
 
     Expert parallelism: `mesh` (a `(data, expert)` mesh from `k3jax.sharding.make_mesh(...,
     explicit=False)`: the KDA/attention ops are written for GSPMD propagation, not sharding-in-types) is passed to
