@@ -317,3 +317,28 @@ def test_compare_profiles_groups_ops_by_kind_of_work(tmp_path):
     assert two["ops"][0]["ms_per_step"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="unmarked_steps"):
         summarize_trace(trace, unmarked_steps=0)
+
+
+def test_scan_equivalence_configs_and_verdict():
+    """run_config gives each layout the same model but its scan / remat, and summarize's verdict is
+    |scanned − unrolled| at the same seed against the unrolled runs' seed spread."""
+    from experiments import scan_equivalence as S
+    kw = dict(steps=10, num_layers=8, batch_size=2, seq_len=64, dtype="bfloat16", workdir="/tmp/x")
+    unrolled, scanned = (S.run_config("k3_default", lay, 3, **kw) for lay in ("unrolled", "scanned"))
+    assert (unrolled.model.scan_layers, unrolled.model.remat) == (False, "none")
+    assert (scanned.model.scan_layers, scanned.model.remat) == (True, "full")
+    assert unrolled.model.residual.kind == "block_attnres" and unrolled.seed == scanned.seed == 3
+    assert S.run_config("like_for_like", "scanned", 0, **kw).model.residual.kind == "prenorm"
+    assert unrolled.workdir != scanned.workdir
+    with pytest.raises(ValueError, match="layout"):
+        S.run_config("k3_default", "remat", 0, **kw)
+    def runs(shift):
+        return [dict(row="r", layout=lay, seed=seed, val_loss=v + (shift if lay == "scanned" else 0.0), train_loss=v)
+                for seed, v in enumerate([2.0, 2.2, 2.4]) for lay in ("unrolled", "scanned")]
+    val, train = S.summarize(runs(0.01))
+    assert val["within_noise"] and val["unrolled_std"] == pytest.approx(0.2)
+    assert val["paired_diffs"] == pytest.approx([0.01] * 3) and train["max_abs_diff"] == 0.0
+    val, _ = S.summarize(runs(-0.5))
+    assert not val["within_noise"] and val["max_abs_diff"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="seeds"):
+        S.summarize(runs(0.0)[:2])
