@@ -155,6 +155,7 @@ def run_k3jax(shape: str, row: str, *, steps: int, warmup: int, scan_layers: boo
             "tokens_per_step": tokens, "steps_timed": int(step_ms.size), "step_ms_median": median,
             "step_ms": step_ms.tolist(), "tokens_per_s": tokens / median * 1e3, "compile_s": compile_s,
             "backend_compile_s": compile_stats.get("backend_compile_s", 0.0),
+            "compile_phases_s": compile_stats["phases_s"],
             "peak_memory_gib": None if peak is None else peak / 2**30,
             "final_loss": losses[-2],  # the last timed step's (the untimed one after it is not counted)
             "steps_run": total + 1, "losses": losses}
@@ -195,6 +196,19 @@ def run_jla(config: str, *, steps: int, warmup: int, timeout_s: float) -> dict:
             **parse_jla_log(text, warmup=warmup), "log_tail": text[-3000:]}
 
 
+def _compile_cell(row: dict) -> str:
+    """First-step seconds; for k3jax rows also "(trace + lower, XLA)": jax's trace and lowering (the Pallas
+    kernels' included) and XLA's backend compile; the rest of the first step is its run, kernels' runtime
+    initialisation included."""
+    if row.get("compile_s") is None:
+        return "n/a"
+    phases = row.get("compile_phases_s")
+    if not phases:
+        return f"{row['compile_s']:.1f}"
+    jax_s = phases.get("jaxpr_trace_duration", 0.0) + phases.get("jaxpr_to_mlir_module_duration", 0.0)
+    return f"{row['compile_s']:.1f} ({jax_s:.1f}, {phases.get('backend_compile_duration', 0.0):.1f})"
+
+
 def render(result: dict) -> str:
     """The markdown page of a run."""
     from experiments.harness import environment_line, markdown_table  # noqa: PLC0415
@@ -210,7 +224,7 @@ def render(result: dict) -> str:
         mem = r.get("peak_memory_gib", r.get("compiled_memory_gib"))
         table.append([r["row"], f"{r['step_ms_median']:.1f}" if r.get("step_ms_median") else "n/a",
                       f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a", ratio,
-                      f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "n/a",
+                      _compile_cell(r),
                       f"{mem:.1f}" if mem is not None else "n/a",
                       f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "n/a",
                       r.get("steps_timed", len(r.get("logged_steps", [])))])
@@ -220,7 +234,8 @@ def render(result: dict) -> str:
              f"`experiments/bench_train.py --shape={f['shape']}`: {f['warmup']} warm-up steps then {f['steps']} timed; "
              f"k3jax scan_layers={f['scan_layers']}, remat={f['remat']}; "
              f"XLA_PYTHON_CLIENT_MEM_FRACTION={f.get('xla_python_client_mem_fraction') or 'unset (0.75)'}. ms/step = median between the ends of "
-             "consecutive steps (host one step ahead, as the trainers); compile = first step's wall seconds; memory = "
+             "consecutive steps (host one step ahead, as the trainers); compile = first step's wall seconds (k3jax: jax's "
+             "trace + lowering, XLA's backend compile); memory = "
              "device peak (k3jax) / jla's compiled-step estimate; loss = cross-entropy of the last step (nats).", ""]
     lines += markdown_table(["row", "ms/step", "tokens/s", "vs jla", "compile s", "memory GiB", "loss", "steps"], table)
     return "\n".join(lines) + "\n"

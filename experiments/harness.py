@@ -153,7 +153,9 @@ def time_call(fn: Callable, make_args: Callable[[int], tuple], *, iters: int, wa
 
 class CompileCounter:
     """Counts JAX compile events (jax.monitoring) between `reset()` calls: compile requests,
-    persistent-cache hits/misses and backend compile seconds."""
+    persistent-cache hits/misses, backend compile seconds and, under "phases_s", the seconds of each of
+    jax's compile phases ("/jax/core/compile/<phase>": jaxpr_trace_duration, jaxpr_to_mlir_module_duration
+    (lowering, the Pallas kernels' included), backend_compile_duration)."""
 
     _EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "compile_requests",
                "/jax/compilation_cache/cache_hits": "cache_hits",
@@ -163,6 +165,7 @@ class CompileCounter:
 
     def __init__(self):
         self.counts: dict[str, float] = {}
+        self.phases: dict[str, float] = {}
         jax.monitoring.register_event_listener(self._on_event)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
@@ -172,13 +175,17 @@ class CompileCounter:
             self.counts[key] = self.counts.get(key, 0) + 1
 
     def _on_duration(self, name, duration, **kwargs):
+        if name.startswith("/jax/core/compile/"):
+            phase = name.rsplit("/", 1)[-1]
+            self.phases[phase] = self.phases.get(phase, 0.0) + float(duration)
         if name in self._DURATIONS:
             key = self._DURATIONS[name]
             self.counts[key] = self.counts.get(key, 0.0) + float(duration)
 
-    def reset(self) -> dict[str, float]:
+    def reset(self) -> dict:
         out = {k: self.counts.get(k, 0) for k in (*self._EVENTS.values(), *self._DURATIONS.values())}
-        self.counts = {}
+        out["phases_s"] = self.phases
+        self.counts, self.phases = {}, {}
         return out
 
 

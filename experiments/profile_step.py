@@ -32,7 +32,6 @@ Writes `<out>.json` and `<out>.md` (date, device, versions).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import json
@@ -98,13 +97,6 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     if doc_len < 0:
         raise ValueError(f"doc_len must be >= 0 (0: the config's corpus), got {doc_len=}")
     counter = CompileCounter()
-    phases: dict[str, float] = collections.defaultdict(float)  # jax's own compile-phase durations
-
-    def on_duration(name, duration, **kwargs):
-        if name.startswith("/jax/core/compile/"):
-            phases[name.rsplit("/", 1)[-1]] += float(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
     t0 = time.perf_counter()
     model, optimizer, data_iter = build(cfg, doc_len)
     build_s = time.perf_counter() - t0
@@ -113,12 +105,11 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     step = bind_train_step(model, optimizer, loss_chunk_size=chunk)  # the trainer's step
     counter.reset()
     batch = _next_batch(data_iter)
-    phases.clear()
+    counter.reset()
     t0 = time.perf_counter()
     jax.device_get(step(batch))
     first_step_s = time.perf_counter() - t0
     compile_stats = counter.reset()
-    compile_stats["phases_s"] = dict(phases)
     for _ in range(warmup):
         jax.device_get(step(_next_batch(data_iter)))
     rows = []

@@ -342,3 +342,18 @@ def test_scan_equivalence_configs_and_verdict():
     assert not val["within_noise"] and val["max_abs_diff"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="seeds"):
         S.summarize(runs(0.0)[:2])
+
+
+def test_bench_train_tiny_row_records_compile_phases_and_renders():
+    """A k3jax row at the tiny shape: finite step times and loss, jax's compile phases recorded (trace,
+    lowering, backend compile, which together do not exceed the first step), and the page shows them."""
+    from experiments import bench_train
+    row = bench_train.run_k3jax("tiny", "k3_default", steps=2, warmup=1, scan_layers=True, remat="full")
+    assert row["steps_timed"] == 2 and all(np.isfinite(row["step_ms"])) and np.isfinite(row["final_loss"])
+    phases = row["compile_phases_s"]
+    assert {"jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration"} <= set(phases)
+    assert 0 < sum(phases.values()) <= row["compile_s"]
+    page = bench_train.render({"rows": [row], "env": {"date": "d", "device": "cpu"},
+                               "flags": dict(shape="tiny", warmup=1, steps=2, scan_layers=True, remat="full")})
+    jax_s = phases["jaxpr_trace_duration"] + phases["jaxpr_to_mlir_module_duration"]
+    assert f"{row['compile_s']:.1f} ({jax_s:.1f}, {phases['backend_compile_duration']:.1f})" in page
