@@ -337,11 +337,16 @@ def test_scan_equivalence_configs_and_verdict():
                 for seed, v in enumerate([2.0, 2.2, 2.4]) for lay in ("unrolled", "scanned")]
     val, train = S.summarize(runs(0.01))
     assert val["within_noise"] and val["unrolled_std"] == pytest.approx(0.2)
-    assert val["paired_diffs"] == pytest.approx([0.01] * 3) and train["max_abs_diff"] == 0.0
+    assert val["paired_diffs"] == pytest.approx([0.01] * 3) and val["mean_diff"] == pytest.approx(0.01)
+    assert train["mean_diff"] == 0.0 and train["within_noise"]
     val, _ = S.summarize(runs(-0.5))
-    assert not val["within_noise"] and val["max_abs_diff"] == pytest.approx(0.5)
+    assert not val["within_noise"] and val["mean_diff"] == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="seeds"):
         S.summarize(runs(0.0)[:2])
+    page = S.render(dict(environment=dict(date="d", device="cpu"), shape=dict(steps=10, num_layers=8, batch_size=2,
+                                                                              seq_len=64),
+                         dtype="bfloat16", seeds=[0, 1, 2], tiny=False, rows=S.summarize(runs(-0.5))))
+    assert "| r | val_loss | 2.2000 ± 0.2000 | 1.7000 ± 0.2000 | -0.5000, -0.5000, -0.5000 | -0.5000 ± 0.0000 | **no** |" in page
 
 
 def test_bench_train_tiny_row_records_compile_phases_and_renders():
