@@ -17,8 +17,9 @@ source buffer). Per run: the validation loss after the last step (the trainer's 
 batches for every run) and the mean training loss of the last `--tail` logged steps. Per row: each layout's
 mean and standard deviation over seeds, the paired differences (scanned − unrolled, same seed), their mean
 ± its standard error, and the verdict "within noise": the mean paired difference is smaller in size than
-the unrolled runs' standard deviation over seeds (a systematic gap from scanning would exceed the spread
-that the seed alone causes). Single paired differences can exceed it: the two layouts' trajectories part
+the seed noise, the standard deviation over seeds pooled over both layouts (a systematic gap from
+scanning would exceed the spread that the seed alone causes; with 3 seeds one layout's own spread can
+come out several times too small by chance). Single paired differences can exceed it: the two layouts' trajectories part
 after a few steps, so each pair differs by about as much as two runs with different rounding noise.
 Writes <out>.json / <out>.md.
 """
@@ -44,7 +45,8 @@ _TAIL = flags.DEFINE_integer("tail", 5, "Logged steps averaged into the final tr
 _TINY = flags.DEFINE_bool("tiny", False, "Smoke run: 2 seeds, 6 steps, batch 2, sequences of 64.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs (default: a temporary one).")
 _OUT = flags.DEFINE_string("out", "/tmp/scan_equivalence", "Output prefix (<out>.json, <out>.md).")
-_FROM_JSON = flags.DEFINE_string("from_json", "", "Re-summarise the runs of this earlier <out>.json (no training).")
+_FROM_JSON = flags.DEFINE_list("from_json", [], "Re-summarise the runs of these earlier <out>.json files (no "
+                                "training; same shape and dtype): seeds run in separate calls merge this way.")
 
 
 def run_config(row: str, layout: str, seed: int, *, steps: int, num_layers: int, batch_size: int, seq_len: int,
@@ -83,15 +85,18 @@ def summarize(runs: list[dict]) -> list[dict]:
     out = []
     for row in dict.fromkeys(r["row"] for r in runs):
         for metric in ("val_loss", "train_loss"):
-            by = {lay: {r["seed"]: r[metric] for r in runs if r["row"] == row and r["layout"] == lay} for lay in LAYOUTS}
+            by = {lay: {r["seed"]: r[metric] for r in runs if r["row"] == row and r["layout"] == lay}
+                  for lay in LAYOUTS}
             seeds = sorted(set(by["unrolled"]) & set(by["scanned"]))
             if len(seeds) < 2:
                 raise ValueError(f"row {row}: need >= 2 seeds with both layouts, got {seeds}")
             diffs = [by["scanned"][s] - by["unrolled"][s] for s in seeds]
-            noise = statistics.stdev(by["unrolled"][s] for s in seeds)
+            noise = ((statistics.variance(by["unrolled"][s] for s in seeds)
+                      + statistics.variance(by["scanned"][s] for s in seeds)) / 2) ** 0.5
             mean_diff = statistics.fmean(diffs)
-            out.append(dict(row=row, metric=metric, seeds=seeds,
-                            unrolled_mean=statistics.fmean(by["unrolled"][s] for s in seeds), unrolled_std=noise,
+            out.append(dict(row=row, metric=metric, seeds=seeds, seed_noise=noise,
+                            unrolled_mean=statistics.fmean(by["unrolled"][s] for s in seeds),
+                            unrolled_std=statistics.stdev(by["unrolled"][s] for s in seeds),
                             scanned_mean=statistics.fmean(by["scanned"][s] for s in seeds),
                             scanned_std=statistics.stdev(by["scanned"][s] for s in seeds),
                             paired_diffs=diffs, mean_diff=mean_diff,
@@ -108,25 +113,33 @@ def render(result: dict) -> str:
              f"`python -m experiments.scan_equivalence{' --tiny' if result['tiny'] else ''}`: k3_tiny with "
              f"{shape['num_layers']} layers, {result['dtype']}, {shape['batch_size']} x {shape['seq_len']} tokens per "
              f"step, {shape['steps']} steps, seeds {result['seeds']}; scanned = `scan_layers=True, remat=\"full\"`. "
-             f"diff = scanned − unrolled at the same seed (nats); within noise = |mean diff| < the unrolled runs' "
-             f"standard deviation over seeds.", "",
-             *markdown_table(["row", "loss", "unrolled mean ± std", "scanned mean ± std", "paired diffs",
-                              "mean diff ± s.e.", "within noise"],
-                             [[r["row"], r["metric"], f"{r['unrolled_mean']:.4f} ± {r['unrolled_std']:.4f}",
+             f"diff = scanned − unrolled at the same seed (nats); seed noise = the standard deviation over seeds, "
+             f"pooled over both layouts; within noise = |mean diff| < seed noise.", "",
+             *markdown_table(["row", "loss", "seeds", "unrolled mean ± std", "scanned mean ± std", "paired diffs",
+                              "mean diff ± s.e.", "seed noise", "within noise"],
+                             [[r["row"], r["metric"], len(r["seeds"]),
+                               f"{r['unrolled_mean']:.4f} ± {r['unrolled_std']:.4f}",
                                f"{r['scanned_mean']:.4f} ± {r['scanned_std']:.4f}",
                                ", ".join(f"{d:+.4f}" for d in r["paired_diffs"]),
-                               f"{r['mean_diff']:+.4f} ± {r['mean_diff_se']:.4f}", "yes" if r["within_noise"] else "**no**"]
+                               f"{r['mean_diff']:+.4f} ± {r['mean_diff_se']:.4f}", f"{r['seed_noise']:.4f}",
+                               "yes" if r["within_noise"] else "**no**"]
                               for r in result["rows"]]), ""]
     return "\n".join(lines)
 
 
 def main(argv):
     del argv
-    if _FROM_JSON.value:  # re-summarise the runs of an earlier result (its environment and shape kept)
-        with open(_FROM_JSON.value) as f:
-            result = json.load(f)
+    if _FROM_JSON.value:  # re-summarise the runs of earlier results (the first one's environment and shape)
+        results = []
+        for path in _FROM_JSON.value:
+            with open(path) as f:
+                results.append(json.load(f))
+        result = results[0]
+        if any((r["shape"], r["dtype"]) != (result["shape"], result["dtype"]) for r in results):
+            raise ValueError(f"--from_json results differ in shape or dtype: {_FROM_JSON.value}")
+        result["runs"] = [run for r in results for run in r["runs"]]
         result["rows"] = summarize(result["runs"])
-        result.setdefault("seeds", sorted({r["seed"] for r in result["runs"]}))
+        result["seeds"] = sorted({r["seed"] for r in result["runs"]})
         result.setdefault("tiny", result["shape"]["steps"] < 10)
     else:
         result = run_all()

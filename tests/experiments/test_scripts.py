@@ -336,7 +336,7 @@ def test_scan_equivalence_configs_and_verdict():
         return [dict(row="r", layout=lay, seed=seed, val_loss=v + (shift if lay == "scanned" else 0.0), train_loss=v)
                 for seed, v in enumerate([2.0, 2.2, 2.4]) for lay in ("unrolled", "scanned")]
     val, train = S.summarize(runs(0.01))
-    assert val["within_noise"] and val["unrolled_std"] == pytest.approx(0.2)
+    assert val["within_noise"] and val["unrolled_std"] == pytest.approx(0.2) == val["seed_noise"]
     assert val["paired_diffs"] == pytest.approx([0.01] * 3) and val["mean_diff"] == pytest.approx(0.01)
     assert train["mean_diff"] == 0.0 and train["within_noise"]
     val, _ = S.summarize(runs(-0.5))
@@ -346,7 +346,13 @@ def test_scan_equivalence_configs_and_verdict():
     page = S.render(dict(environment=dict(date="d", device="cpu"), shape=dict(steps=10, num_layers=8, batch_size=2,
                                                                               seq_len=64),
                          dtype="bfloat16", seeds=[0, 1, 2], tiny=False, rows=S.summarize(runs(-0.5))))
-    assert "| r | val_loss | 2.2000 ± 0.2000 | 1.7000 ± 0.2000 | -0.5000, -0.5000, -0.5000 | -0.5000 ± 0.0000 | **no** |" in page
+    assert ("| r | val_loss | 3 | 2.2000 ± 0.2000 | 1.7000 ± 0.2000 | -0.5000, -0.5000, -0.5000 | -0.5000 ± 0.0000 | "
+            "0.2000 | **no** |") in page
+    # the seed noise pools both layouts' spreads: a small spread in one layout alone does not decide
+    lopsided = [dict(r, val_loss=2.2 + 0.001 * r["seed"]) if r["layout"] == "unrolled" else r for r in runs(0.0)]
+    val, _ = S.summarize(lopsided)
+    assert val["unrolled_std"] == pytest.approx(0.001) and val["within_noise"]
+    assert val["seed_noise"] == pytest.approx(((0.001 ** 2 + 0.2 ** 2) / 2) ** 0.5)
 
 
 def test_bench_train_tiny_row_records_compile_phases_and_renders():
