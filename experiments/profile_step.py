@@ -103,7 +103,6 @@ def profile_run(cfg, *, warmup: int, timed: int, steps: int, trace_dir: str, hlo
     from k3jax.train.trainer import loss_chunk_size  # noqa: PLC0415
     chunk = loss_chunk_size(cfg)
     step = bind_train_step(model, optimizer, loss_chunk_size=chunk)  # the trainer's step
-    counter.reset()
     batch = _next_batch(data_iter)
     counter.reset()
     t0 = time.perf_counter()

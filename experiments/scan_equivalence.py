@@ -19,8 +19,9 @@ mean and standard deviation over seeds, the paired differences (scanned − unro
 ± its standard error, and the verdict "within noise": the mean paired difference is smaller in size than
 the seed noise, the standard deviation over seeds pooled over both layouts (a systematic gap from
 scanning would exceed the spread that the seed alone causes; with 3 seeds one layout's own spread can
-come out several times too small by chance). Single paired differences can exceed it: the two layouts' trajectories part
-after a few steps, so each pair differs by about as much as two runs with different rounding noise.
+come out several times too small by chance). Single paired differences can exceed it: the two layouts'
+trajectories part after a few steps, so each pair differs about as much as two runs with different
+rounding noise.
 Writes <out>.json / <out>.md.
 """
 from __future__ import annotations
