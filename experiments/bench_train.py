@@ -63,11 +63,11 @@ VARIANTS = {"like_for_like": dict(residual=dict(kind="prenorm"), moe=dict(balanc
                                moe=dict(balancing=dict(method="quantile", quantile_estimator="exact")))}
 
 
-def _merged(a: dict, b: dict) -> dict:
+def merged(a: dict, b: dict) -> dict:
     """`a` updated by `b`, nested dicts merged key by key."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -81,7 +81,7 @@ def model_config(shape: str, row: str, *, scan_layers: bool, remat: str):
     base = dict(vocab_size=259, ffn="moe", attention=dict(rope=False),
                 kda=dict(gate="bounded", lower_bound=-5.0, implementation=None), dtype="bfloat16",
                 scan_layers=scan_layers, remat=remat if scan_layers else "none")
-    return model_config_from_dict(_merged(_merged(base, SHAPES[shape]["model"]), VARIANTS[row]))
+    return model_config_from_dict(merged(merged(base, SHAPES[shape]["model"]), VARIANTS[row]))
 
 
 def markov_batches(num_batches: int, batch_size: int, seq_len: int, doc_len: int, vocab: int, seed: int = 0):

@@ -53,7 +53,7 @@ _FROM_JSON = flags.DEFINE_list("from_json", [], "Re-summarise the runs of these 
 def run_config(row: str, layout: str, seed: int, *, steps: int, num_layers: int, batch_size: int, seq_len: int,
                dtype: str, workdir: str):
     """The RunConfig of one run: k3_tiny with the row's residual scheme and balancing and the layout."""
-    from experiments.bench_train import VARIANTS, _merged  # noqa: PLC0415
+    from experiments.bench_train import VARIANTS, merged  # noqa: PLC0415
     from experiments.configs import k3_tiny  # noqa: PLC0415
     from k3jax.train.config import run_config_from_dict  # noqa: PLC0415
     if row not in VARIANTS:
@@ -61,7 +61,8 @@ def run_config(row: str, layout: str, seed: int, *, steps: int, num_layers: int,
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout=}")
     base = k3_tiny.get_config().to_dict()
-    model = _merged(_merged(base["model"], VARIANTS[row]), dict(num_layers=num_layers, dtype=dtype, **LAYOUTS[layout]))
+    model = merged(merged(base["model"], VARIANTS[row]),
+                   dict(num_layers=num_layers, dtype=dtype, **LAYOUTS[layout]))
     train = dict(base["train"], steps=steps, warmup_steps=max(1, steps // 10), eval_every=steps,
                  checkpoint_every=steps, log_every=1, sample_tokens=0)
     data = dict(base["data"], batch_size=batch_size, seq_len=seq_len)
