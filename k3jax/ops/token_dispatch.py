@@ -6,7 +6,8 @@ Notation: N tokens, model width D, expert width F, E experts, top_k = k, capacit
 Dropless (MegaBlocks, Gale et al. 2022; the ``ragged_dot`` formulation of MaxText / Marin): the N·k
 (token, slot) rows are stably sorted by expert (:func:`permute`), each expert's contiguous group is
 multiplied by its own weights in grouped matmuls (:func:`k3jax.ops.grouped_matmul.grouped_matmul`),
-and the rows are put back and summed with the gate weights (:func:`combine`). Nothing is dropped.
+each row's gate weight scales its SwiGLU hidden activation, and the rows are put back and summed.
+Nothing is dropped. :func:`combine` is the same un-permute with the weights applied to the outputs.
 
 Capacity dispatch (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021 §2.2): every expert has
 ``C = ceil(capacity_factor · N · k / E)`` slots (N = token rows, static); (token, slot) rows claim
@@ -122,6 +123,45 @@ def _weighted_combine_bwd(res, g):
 _weighted_combine.defvjp(_weighted_combine_fwd, _weighted_combine_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_rows(y_sorted, order, inverse, top_k):
+    """``y[n] = Σ_j y_sorted[inverse[n·k + j]]`` (fp32 ``[N, D]``), the transpose of :func:`_dispatch`;
+    its gradient is one gather through ``order``."""
+    return _gather_sum(y_sorted, inverse.reshape(-1, top_k))
+
+
+def _combine_rows_fwd(y_sorted, order, inverse, top_k):
+    return _combine_rows(y_sorted, order, inverse, top_k), (order, jnp.zeros((0,), y_sorted.dtype))
+
+
+def _combine_rows_bwd(top_k, res, g):
+    order, like = res
+    dy_sorted = jnp.take(g, order // top_k, axis=0).astype(like.dtype)
+    return dy_sorted, _no_cotangent(order), _no_cotangent(order)
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+@jax.custom_vjp
+def _sort_rows(v, order, inverse):
+    """``v[order]`` for a permutation ``order`` (``inverse`` its inverse); the gradient gathers through
+    ``inverse`` instead of scatter-adding."""
+    return jnp.take(v, order, axis=0)
+
+
+def _sort_rows_fwd(v, order, inverse):
+    return _sort_rows(v, order, inverse), (order, inverse)
+
+
+def _sort_rows_bwd(res, g):
+    order, inverse = res
+    return jnp.take(g, inverse, axis=0), _no_cotangent(order), _no_cotangent(inverse)
+
+
+_sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
 def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
     """Copy each token once per selected expert and sort the copies by expert (stable: token order
     inside an expert).
@@ -178,6 +218,7 @@ def grouped_swiglu(
     implementation: str | None = None,
     full_groups: bool = False,
     out_dtype=jnp.float32,
+    row_weights: jax.Array | None = None,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows: ``(silu(x W_g) ⊙ x W_u) W_d`` per group (Shazeer 2020).
 
@@ -189,6 +230,10 @@ def grouped_swiglu(
         promises ``sum(group_sizes) == M``).
       out_dtype: dtype of the down projection's output (`preferred_element_type` of the grouped matmul;
         the "jla" kernels accumulate in fp32 and return the compute dtype, so fp32 there is a cast up).
+      row_weights: ``[M]`` fp32 or None; scales each row's hidden activation before the down
+        projection (which is linear, so this equals scaling the output row). Dropless MoE passes the
+        gate weights here: the weight and its gradient fuse into the SwiGLU elementwise pass instead of
+        a separate pass over the ``[M, D]`` outputs.
 
     Returns:
       ``[M, D]`` in ``out_dtype``.
@@ -205,7 +250,12 @@ def grouped_swiglu(
     gmm = functools.partial(grouped_matmul, implementation=implementation, full_groups=full_groups)
     f = w_gate.shape[-1]
     gu = gmm(x_sorted, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes)
-    h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x_sorted.dtype)
+    h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+    if row_weights is not None:
+        if row_weights.shape != (x_sorted.shape[0],):
+            raise ValueError(f"row_weights must be [M] = [{x_sorted.shape[0]}]; got {row_weights.shape}")
+        h = h * row_weights.astype(jnp.float32)[:, None]
+    h = h.astype(x_sorted.dtype)
     return gmm(h, w_down, group_sizes, preferred_element_type=out_dtype)
 
 
@@ -240,12 +290,16 @@ def dropless_moe(
     """
     num_experts = w_gate.shape[0]
     x_sorted, perm = permute(x, expert_ids, num_experts)
+    top_k = expert_ids.shape[1]
+    # gate weights scale the hidden activation (their gradient is a row dot over F inside the SwiGLU
+    # pass), so the un-permute is a plain sum of the k rows
+    w_sorted = _sort_rows(weights.reshape(-1).astype(jnp.float32), perm.order, perm.inverse)
     # permute's group sizes count every one of the N·k rows: the groups are full.
     # expert outputs in the compute dtype: the permutation gathers (and their cotangents) move half the
-    # bytes; combine sums the k slots in fp32
+    # bytes; the k slots are summed in fp32
     y_sorted = grouped_swiglu(x_sorted, perm.group_sizes, w_gate, w_up, w_down, implementation=implementation,
-                              full_groups=True, out_dtype=x.dtype)
-    return combine(y_sorted, perm, weights)
+                              full_groups=True, out_dtype=x.dtype, row_weights=w_sorted)
+    return _combine_rows(y_sorted, perm.order, perm.inverse, top_k)
 
 
 class CapacityDispatch(NamedTuple):

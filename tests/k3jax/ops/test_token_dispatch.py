@@ -1,6 +1,7 @@
 """k3jax.ops.token_dispatch: permute / combine, dropless and capacity dispatch against dense references
 (the expert-parallel path: tests/k3jax/nn/test_moe.py and tests/k3jax/ops/test_grouped_matmul.py)."""
 
+import functools
 import math
 
 import jax
@@ -122,7 +123,8 @@ def test_dropless_equals_dense_loop_forward_and_gradients():
 
 
 def test_dropless_bf16_operands_close_to_fp32():
-    """bf16 operands (the expert outputs rounded to bf16 before the fp32 combine): output and every
+    """bf16 operands (hidden activations, gate weight included, and expert outputs rounded to bf16; the
+    k slots summed in fp32): output and every
     gradient within bf16 rounding of the fp32 computation, at a loss scale of 1/tokens."""
     x, ids, w, wg, wu, wd = _params(1)
     cot = jax.random.normal(jax.random.key(3), x.shape) / x.shape[0]
@@ -210,3 +212,25 @@ def test_grouped_swiglu_fused_gate_up_equals_three_gemms():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="w_gate and w_up must have one shape"):
         TD.grouped_swiglu(x, sizes, wg, wu[:, :, :-1], wd)
+
+
+def test_grouped_swiglu_row_weights_scale_the_output_rows():
+    """row_weights on the hidden activation equal scaling each output row (the down projection is
+    linear), forward and every gradient, the weights' own included; a wrong shape raises."""
+    ks = jax.random.split(jax.random.key(4), 5)
+    E, D, F, M = 3, 16, 24, 30
+    x = jax.random.normal(ks[0], (M, D), jnp.float32)
+    wg, wu = (jax.random.normal(k, (E, D, F), jnp.float32) * D ** -0.5 for k in ks[1:3])
+    wd = jax.random.normal(ks[3], (E, F, D), jnp.float32) * F ** -0.5
+    rw = jax.random.uniform(ks[4], (M,), jnp.float32)
+    sizes = jnp.array([12, 8, 10], jnp.int32)
+    swiglu = functools.partial(TD.grouped_swiglu, group_sizes=sizes, implementation="xla")
+    inner = lambda x, wg, wu, wd, rw: swiglu(x, w_gate=wg, w_up=wu, w_down=wd, row_weights=rw)  # noqa: E731
+    outer = lambda x, wg, wu, wd, rw: swiglu(x, w_gate=wg, w_up=wu, w_down=wd) * rw[:, None]  # noqa: E731
+    cot = jax.random.normal(jax.random.key(5), (M, D)) / M
+    got, want = (jax.vjp(f, x, wg, wu, wd, rw) for f in (inner, outer))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(("x", "w_gate", "w_up", "w_down", "row_weights"), got[1](cot), want[1](cot)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7, err_msg=name)
+    with pytest.raises(ValueError, match="row_weights must be"):
+        TD.grouped_swiglu(x, sizes, wg, wu, wd, row_weights=rw[:-1])
