@@ -207,9 +207,7 @@ class LanguageModel(nnx.Module):
                     inputs.append(x)
                 out = sublayer(i, x, xs, aux)
                 if attnres:
-                    slot = xs["slot"][i]
-                    updated = jax.lax.dynamic_index_in_dim(carry, slot, 0, keepdims=False) + out.astype(carry.dtype)
-                    carry = jax.lax.dynamic_update_index_in_dim(carry, updated, slot, 0)
+                    carry = residual_ops.add_to_slot(carry, out, xs["slot"][i])
                 else:
                     carry = carry + out
             return carry, {"inputs": jnp.stack(inputs) if keep_inputs else None, "finite": jnp.stack(finite),

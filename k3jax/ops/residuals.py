@@ -164,6 +164,39 @@ def depth_attention_carry(buffer, pseudo_query, key_norm_scale, *, eps: float = 
     return out, weights, buffer
 
 
+@jax.custom_vjp
+def add_to_slot(buffer, update, slot):
+    """`buffer` with `update` added to slot `slot`: the scanned source buffer's partial-sum update.
+
+    Args:
+      buffer: `[S, B, T, D]`. update: `[B, T, D]` (cast to the buffer's dtype). slot: int32 scalar,
+        may be traced; clamped to `[0, S)` like `jax.lax.dynamic_index_in_dim`.
+
+    Returns:
+      The updated buffer, `buffer`'s shape and dtype.
+
+    The gradient is written by hand: the buffer's cotangent passes through unchanged and the update's
+    is that slot of it. JAX's own derivative of index + add + update zeroes the slot in a copy and adds
+    a zero-padded slot back, a full pass over the buffer per sublayer that XLA cannot fuse into the
+    Pallas depth-mix backward.
+    """
+    current = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, current + update.astype(buffer.dtype), slot, 0)
+
+
+def _add_to_slot_fwd(buffer, update, slot):
+    return add_to_slot(buffer, update, slot), (slot, jnp.zeros((0,), update.dtype))
+
+
+def _add_to_slot_bwd(res, g):
+    slot, like = res
+    dupdate = jax.lax.dynamic_index_in_dim(g, slot, 0, keepdims=False).astype(like.dtype)
+    return g, dupdate, np.zeros(np.shape(slot), jax.dtypes.float0)
+
+
+add_to_slot.defvjp(_add_to_slot_fwd, _add_to_slot_bwd)
+
+
 def _pallas_covers(num_sources: int, d: int, dtype, interpret: bool) -> bool:
     """implementation=None runs the kernels only where their GPU tests ran (compiled, compute capability
     9.0: the H200 of `pytest -m gpu`) and for calls `supported` accepts."""

@@ -276,6 +276,28 @@ def test_scan_over_fixed_source_buffer_matches_reference():
     np.testing.assert_allclose(hs, np.stack(ref.sublayer_inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("slot", [0, 2, 3, 7, -1])  # 7 and -1 are clamped to 3 and 0
+def test_add_to_slot_equals_autodiff_of_index_add_update(slot):
+    """add_to_slot's hand-written VJP equals JAX's derivative of index + add + update, forward and both
+    cotangents, with the slot traced (as in the scan) and out of range (clamped like dynamic_index)."""
+    buffer = _randn(40, (4, B, T, D)).astype(jnp.bfloat16)
+    update = _randn(41, (B, T, D))  # fp32 update into a bf16 buffer, as a sublayer output may be
+    cot = (_randn(42, buffer.shape) / (B * T)).astype(jnp.bfloat16)
+
+    def by_autodiff(buffer, update, slot):
+        current = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(buffer, current + update.astype(buffer.dtype), slot, 0)
+
+    def value_and_cotangents(f):
+        out, vjp = jax.vjp(f, buffer, update, jnp.int32(slot))
+        return (out, *vjp(cot)[:2])
+
+    got, want = (jax.jit(value_and_cotangents, static_argnums=0)(f) for f in (R.add_to_slot, by_autodiff))
+    for name, a, b in zip(("out", "dbuffer", "dupdate"), got, want):
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
 def test_gradients_reach_every_pseudo_query_after_one_step():
     num_layers, N = 3, 2
     lay = R.block_layout(num_layers, N)  # blocks of 3 and 3 sublayers
