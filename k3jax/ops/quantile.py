@@ -3,7 +3,7 @@
 Quantile Balancing (Su, kexue.fm/archives/11619; Kimi K3 report §2.3.3 and App. D) sets expert j's
 selection bias to the k/E quantile of the margins ``r_ij = α_i − s_ij`` (``α_i`` the (k+1)-th biased
 score of token i), the closed-form dual solution of the balanced-assignment LP, centred. Two estimators:
-``"exact"`` (sort; all-gathers the margins inside ``shard_map``) and ``"histogram"`` (K3 App. D: one
+``"exact"`` (radix select; psums of counts inside ``shard_map``) and ``"histogram"`` (K3 App. D: one
 int32 ``[E, bins]`` histogram and one ``psum``; ``histogram_passes=2`` adds a refinement histogram).
 The balancing step that uses them is :class:`k3jax.ops.balancing.QuantileBalancing`.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops._moe_common import check_bias, check_routing, check_scores, gather_tokens, is_int, psum, token_mask_or_all
+from k3jax.ops._moe_common import check_bias, check_routing, check_scores, is_int, psum, token_mask_or_all
 from k3jax.ops.routing import Routing
 
 QUANTILE_ESTIMATORS = ("exact", "histogram")
@@ -52,24 +52,57 @@ def quantile_margins(scores: jax.Array, routing: Routing, bias: jax.Array | None
     return jax.lax.stop_gradient(r)
 
 
+def _sortable_key(x: jax.Array) -> jax.Array:
+    """fp32 -> uint32 keys in the same total order (``-0.0 < +0.0``, NaN last, as ``jax.lax.sort``):
+    negatives have every bit flipped, non-negatives only the sign bit."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    """Inverse of :func:`_sortable_key`."""
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _select(keys: jax.Array, rank: jax.Array, axis_names: Sequence[str]) -> jax.Array:
+    """Per column of ``keys [N, E]`` uint32 the key of 0-based ``rank`` in ascending order (radix select:
+    one bit per pass from the top, each pass one count per column, psum'ed over ``axis_names``)."""
+    found = jnp.zeros(keys.shape[1:], jnp.uint32)
+    for bit in range(31, -1, -1):  # invariant: fewer than rank + 1 keys lie below `found`
+        trial = found | jnp.uint32(1 << bit)
+        below = psum(jnp.sum((keys < trial).astype(jnp.int32), axis=0), axis_names)
+        found = jnp.where(below <= rank, trial, found)
+    return found
+
+
 def exact_quantile(
     margins: jax.Array, mask: jax.Array, level: float, axis_names: Sequence[str] = ()
 ) -> tuple[jax.Array, jax.Array]:
     """Per-column linear-interpolation quantile at ``level`` of the valid rows of ``margins [N, E]``
-    (numpy's "linear"; inside shard_map the rows are all-gathered over ``axis_names`` first).
-    Returns ``(value [E] fp32, any_valid bool scalar)``."""
-    if axis_names:
-        margins = gather_tokens(margins, axis_names)
-        mask = gather_tokens(mask.astype(jnp.int32), axis_names).astype(jnp.bool_)
-    masked = jnp.where(mask[:, None], margins, jnp.inf)
-    srt = jnp.sort(masked, axis=0)  # valid values first
-    n = jnp.sum(mask.astype(jnp.int32))
+    (numpy's "linear"). Returns ``(value [E] fp32, any_valid bool scalar)``.
+
+    The two order statistics it interpolates are found by radix select on order-preserving uint32 keys
+    (32 passes, each an int32 count per column), not by sorting: the same values, bit for bit, from
+    32 column reductions instead of a sort along the tokens. Inside shard_map the counts are psum'ed over ``axis_names`` (33
+    int32 ``[E]`` psums and one pmin) instead of all-gathering the margins."""
+    keys = jnp.where(mask[:, None], _sortable_key(margins), jnp.uint32(0xFFFFFFFF))  # invalid rows last
+    # every pass must read the same keys: without the barrier XLA may recompute the margins (softmax and
+    # all) inside each counting fusion, with rounding that differs between fusions
+    keys = jax.lax.optimization_barrier(keys)
+    n = psum(jnp.sum(mask.astype(jnp.int32)), axis_names)
     pos = jnp.float32(level) * (jnp.maximum(n, 1) - 1).astype(jnp.float32)
     lo = jnp.floor(pos).astype(jnp.int32)
     hi = jnp.minimum(lo + 1, jnp.maximum(n, 1) - 1)
     frac = pos - lo.astype(jnp.float32)
-    v_lo = srt[lo]
-    v_hi = srt[hi]
+    key_lo = _select(keys, lo, axis_names)
+    # rank hi is key_lo again if more than hi keys are <= key_lo (ties), else the next larger key
+    at_most = psum(jnp.sum((keys <= key_lo).astype(jnp.int32), axis=0), axis_names)
+    larger = jnp.min(jnp.where(keys > key_lo, keys, jnp.uint32(0xFFFFFFFF)), axis=0)
+    if axis_names:
+        larger = jax.lax.pmin(larger, tuple(axis_names))
+    key_hi = jnp.where(at_most > hi, key_lo, larger)
+    v_lo, v_hi = _key_value(key_lo), _key_value(key_hi)
     value = v_lo + frac * (v_hi - v_lo)
     return value, n > 0
 
@@ -175,8 +208,8 @@ def quantile_bias(
     Args:
       margins: ``[N, E]`` fp32 from :func:`quantile_margins`. top_k: k (level k/E).
       bias: ``[E]`` fp32 current bias (histogram range; returned unchanged where no token is valid).
-      token_mask: ``[N]`` bool, padding excluded. estimator: ``"exact"`` (sort; inside shard_map it
-        all-gathers the margins over ``axis_names``) or ``"histogram"``.
+      token_mask: ``[N]`` bool, padding excluded. estimator: ``"exact"`` (radix select; inside shard_map
+        33 psums of ``[E]`` counts over ``axis_names``) or ``"histogram"``.
       histogram_bins: number of bins (K3: 1000). histogram_passes: 1 (K3 App. D) or 2 (second
         refinement histogram inside the quantile's bin, bins² resolution). center: subtract ``mean(b̂)`` (the method; top-k
         selection is invariant to a common shift once the cutoffs are recomputed). ``center=False``

@@ -288,6 +288,46 @@ def test_quantile_padding_excluded_and_ema():
     np.testing.assert_allclose(ema, 0.9 * old + 0.1 * new, atol=1e-7)
 
 
+def _sorted_quantile(margins, mask, level):
+    """exact_quantile's definition by a sort: linear interpolation between the order statistics at
+    floor(level·(n−1)) and the next one (ascending, invalid rows last)."""
+    srt = jnp.sort(jnp.where(mask[:, None], margins, jnp.inf), axis=0)
+    n = jnp.sum(mask.astype(jnp.int32))
+    pos = jnp.float32(level) * (jnp.maximum(n, 1) - 1).astype(jnp.float32)
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, jnp.maximum(n, 1) - 1)
+    return srt[lo] + (pos - lo.astype(jnp.float32)) * (srt[hi] - srt[lo])
+
+
+@pytest.mark.parametrize("case", ["normal", "ties", "signed_zeros", "tiny_and_huge", "one_valid", "two_valid"])
+@pytest.mark.parametrize("level", [0.0, 1 / 8, 0.5, 1.0])
+def test_exact_quantile_radix_select_equals_sorting_bit_for_bit(case, level):
+    """The radix select finds the same order statistics as a sort: equal bits, ties, −0.0 and +0.0,
+    subnormals and ±3e38, padding, one or two valid rows included."""
+    n, e = 97, 8
+    m = jax.random.normal(jax.random.PRNGKey(30), (n, e))
+    mask = jax.random.uniform(jax.random.PRNGKey(31), (n,)) < 0.8
+    if case == "ties":
+        m = jnp.round(m * 2) / 2
+    elif case == "signed_zeros":
+        m = jnp.where(m > 0.5, 0.0, jnp.where(m < -0.5, -0.0, m))
+    elif case == "tiny_and_huge":
+        m = jnp.sign(m) * jnp.where(jnp.abs(m) > 1, 3e38, 1e-40)
+    elif case == "one_valid":
+        mask = jnp.arange(n) == 5
+    elif case == "two_valid":
+        mask = (jnp.arange(n) == 5) | (jnp.arange(n) == 60)
+    got, ok = jax.jit(Q.exact_quantile, static_argnums=2)(m, mask, level)
+    want = _sorted_quantile(m, mask, level)
+    assert bool(ok)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+def test_exact_quantile_with_no_valid_row_says_so():
+    _, ok = Q.exact_quantile(jnp.ones((4, 3)), jnp.zeros((4,), bool), 0.25)
+    assert not bool(ok)
+
+
 def test_quantile_histogram_psum_equals_pooled():
     """Inside shard_map over 8 devices the psum'ed histogram gives the pooled single-device bias."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
