@@ -24,6 +24,7 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 SCAN_RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
 KDA_GATES = ("bounded", "softplus")
 KDA_IMPLEMENTATIONS = (None, "recurrent", "chunked", "pallas")
+KDA_CONV_IMPLEMENTATIONS = (None, "xla", "jla")
 SCORE_FUNCS = ("softmax", "sigmoid")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "pallas_triton", "cudnn", "jla")
 DEPTH_IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -42,12 +43,15 @@ class KDAConfig:
       lower_bound: lower bound of the bounded log-decay gate (natural log units), in [-5, 0).
       chunk_size: chunk length of the chunked KDA op.
       implementation: None (best available) | "recurrent" | "chunked" | "pallas".
+      conv_implementation: the q/k/v short conv: None (jla's fused Mosaic GPU kernels where they take
+        the call, else XLA) | "xla" | "jla" (see `k3jax.nn.kda.KimiDeltaAttention`).
     """
 
     gate: str = "bounded"
     lower_bound: float = -5.0
     chunk_size: int = 64
     implementation: str | None = None
+    conv_implementation: str | None = None
 
     def __post_init__(self):
         if self.gate not in KDA_GATES:
@@ -59,6 +63,9 @@ class KDAConfig:
         if self.implementation not in KDA_IMPLEMENTATIONS:
             raise ValueError(f"model.kda.implementation must be one of {KDA_IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
+        if self.conv_implementation not in KDA_CONV_IMPLEMENTATIONS:
+            raise ValueError(f"model.kda.conv_implementation must be one of {KDA_CONV_IMPLEMENTATIONS}, "
+                             f"got {self.conv_implementation!r}")
 
 
 @dataclasses.dataclass(frozen=True)

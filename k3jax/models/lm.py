@@ -30,7 +30,8 @@ def _make_mixer(cfg: ModelConfig, letter: str, rngs: nnx.Rngs):
     from k3jax.nn.kda import KimiDeltaAttention  # noqa: PLC0415 (keeps attention-only models light)
     return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, gate=cfg.kda.gate,
                               lower_bound=cfg.kda.lower_bound, chunk_size=cfg.kda.chunk_size,
-                              implementation=cfg.kda.implementation, dtype=dtype, rngs=rngs)
+                              implementation=cfg.kda.implementation,
+                              conv_implementation=cfg.kda.conv_implementation, dtype=dtype, rngs=rngs)
 
 
 def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):

@@ -39,6 +39,19 @@ def short_causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | 
     return y
 
 
+def _jla_conv_kernels(x: jax.Array, head_dim: int, conv_size: int):
+    """jla's Mosaic GPU short-conv kernels (``short_conv``, ``short_conv_l2norm``) when they take a
+    ``[B, T, H·K]`` bf16 projection with this head_dim and conv_size (sm_90, one device), else None."""
+    try:
+        from jla.ops.mosaic_gpu import short_conv, short_conv_l2norm  # noqa: PLC0415 -- optional GPU dependency
+    except ImportError:
+        return None
+    weight = jax.ShapeDtypeStruct((x.shape[-1], conv_size), jnp.float32)
+    if short_conv_l2norm.unsupported_reason(x, weight, head_dim=head_dim) is not None:
+        return None
+    return short_conv, short_conv_l2norm
+
+
 class KimiDeltaAttention(nnx.Module):
     """Kimi Linear KDA mixer: `[B, T, D] -> [B, T, D]`, with an fp32 recurrent-state cache for decoding.
 
@@ -52,6 +65,10 @@ class KimiDeltaAttention(nnx.Module):
       conv_size: short-conv kernel size (4).
       chunk_size: chunk length of the chunked op.
       implementation: passed to `k3jax.ops.kda.kda` (None = best available).
+      conv_implementation: "xla" (`short_causal_conv`, then SiLU, then the op's q/k L2 norm) or "jla"
+        (jax-linear-attention 0.1.0's Mosaic GPU kernels: short conv + SiLU + per-head L2 norm fused for
+        q and k, short conv + SiLU for v; Hopper, bf16, one device). None: "jla" where its kernels take
+        the call, else "xla".
       dtype: compute dtype of projections, conv and the q/k/v fed to the op (bf16 default); the
         gate, state and normalisation run in fp32.
       param_dtype: parameter dtype (fp32).
@@ -61,15 +78,18 @@ class KimiDeltaAttention(nnx.Module):
     linear weights N(0, fan_in^-1/2); conv weights U(-1/sqrt(W), 1/sqrt(W)); RMSNorm weight 1.
 
     Raises:
-      ValueError: unknown gate or lower_bound outside [-5, 0).
+      ValueError: unknown gate or conv_implementation, lower_bound outside [-5, 0).
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int = 128, *, gate: str = "bounded",
                  lower_bound: float = -5.0, conv_size: int = 4, chunk_size: int = 64,
-                 implementation: str | None = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 implementation: str | None = None, conv_implementation: str | None = None,
+                 dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if gate not in ("bounded", "softplus"):
             raise ValueError(f"gate must be 'bounded' or 'softplus'; got {gate=}")
+        if conv_implementation not in (None, "xla", "jla"):
+            raise ValueError(f"conv_implementation must be None, 'xla' or 'jla'; got {conv_implementation=}")
+        self.conv_implementation = conv_implementation
         validate_lower_bound(lower_bound)
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
         self.gate, self.lower_bound = gate, float(lower_bound)
@@ -134,12 +154,40 @@ class KimiDeltaAttention(nnx.Module):
         positions [B, T] int32 (unused: KDA needs no positions) -> [B, T, D] in the compute dtype."""
         del positions
         x = x.astype(self.dtype)
-        qkv = short_causal_conv(self._projections(x), self.conv_weight[...], segment_ids)
-        q, k, v = self._split_qkv(qkv)
+        qkv = self._fused_conv(x, segment_ids) if self.conv_implementation != "xla" else None
+        if qkv is None:
+            q, k, v = self._split_qkv(short_causal_conv(self._projections(x), self.conv_weight[...], segment_ids))
+        else:
+            q, k, v = qkv
         g, beta, gate_out = self._gates(x)
-        o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, use_qk_l2norm=True, lower_bound=self._lower_bound(),
-                   chunk_size=self.chunk_size, implementation=self.implementation)
+        o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, use_qk_l2norm=qkv is None,
+                   lower_bound=self._lower_bound(), chunk_size=self.chunk_size, implementation=self.implementation)
         return self._output(o, gate_out)
+
+    def _fused_conv(self, x, segment_ids):
+        """(q, k, v) [B, T, H, K] from jla's kernels, q and k already L2-normalised; None where they do not
+        take the call (conv_implementation None) or raises ValueError ("jla")."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        like = jax.ShapeDtypeStruct((B, T, H * K), self.dtype)
+        kernels = _jla_conv_kernels(like, K, self.conv_size)
+        if kernels is None:
+            if self.conv_implementation == "jla":
+                raise ValueError("conv_implementation='jla' needs jax-linear-attention's Mosaic GPU short-conv "
+                                 f"kernels to take [B, T, H*K] = {like.shape} {like.dtype} with head_dim={K} and "
+                                 f"conv_size={self.conv_size} (sm_90 GPU, one device)")
+            return None
+        short_conv, short_conv_l2norm = kernels
+        weights = jnp.split(self.conv_weight[...], 3, axis=1)  # [W, HK] each; jla's layout is [HK, W]
+        out = []
+        for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+            y = jnp.dot(x, proj.kernel[...].astype(self.dtype))
+            if i < 2:
+                y = short_conv_l2norm.short_conv_l2norm(y, weights[i].T, head_dim=K, segment_ids=segment_ids)
+            else:
+                y = short_conv.short_conv(y, weights[i].T, segment_ids=segment_ids)
+            out.append(y.reshape(B, T, H, K))
+        return tuple(out)
 
     def init_cache(self, batch_size: int, max_len: int):
         """{"conv": [B, conv_size - 1, 3HK] last pre-conv inputs (compute dtype), "state": [B, H, K, V]

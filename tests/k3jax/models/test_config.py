@@ -25,6 +25,7 @@ from k3jax.train.config import run_config_from_dict
     (lambda: KDAConfig(gate="relu"), r"model\.kda\.gate"),
     (lambda: KDAConfig(chunk_size=0), r"model\.kda\.chunk_size"),
     (lambda: KDAConfig(implementation="cuda"), r"model\.kda\.implementation"),
+    (lambda: KDAConfig(conv_implementation="triton"), r"model\.kda\.conv_implementation"),
     (lambda: AttentionConfig(rope_theta=0.0), r"model\.attention\.rope_theta"),
     (lambda: AttentionConfig(rope=1), r"model\.attention\.rope"),
     (lambda: ResidualConfig(kind="postnorm"), r"model\.residual\.kind"),

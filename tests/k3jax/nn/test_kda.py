@@ -101,3 +101,94 @@ def test_gradients_reach_every_parameter():
     for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads)):
         assert bool(jnp.all(jnp.isfinite(g))), path
         assert float(jnp.abs(g).max()) > 0.0, path
+
+
+def _install_jla_conv_stand_ins(monkeypatch):
+    """jla 0.1.0's short_conv / short_conv_l2norm modules as XLA stand-ins (weight [C, W], SiLU, per-head
+    L2 norm with eps 1e-6 inside the sqrt), so the fused path's wiring runs on CPU."""
+    import sys
+    import types
+
+    def conv(x, weight, bias=None, *, activation=True, segment_ids=None):
+        assert bias is None and activation
+        return jax.nn.silu(short_causal_conv(x, weight.T, segment_ids))
+
+    def conv_l2norm(x, weight, bias=None, *, head_dim, activation=True, segment_ids=None):
+        y = conv(x, weight, bias, activation=activation, segment_ids=segment_ids).astype(jnp.float32)
+        y = y.reshape(*x.shape[:2], -1, head_dim)
+        y = y * jax.lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + 1e-6)
+        return y.reshape(x.shape).astype(x.dtype)
+
+    short_conv = types.SimpleNamespace(short_conv=conv)
+    short_conv_l2norm = types.SimpleNamespace(short_conv_l2norm=conv_l2norm,
+                                              unsupported_reason=lambda x, w, *, head_dim: None)
+    names = ["jla", "jla.ops", "jla.ops.mosaic_gpu"]
+    mods = [types.ModuleType(n) for n in names]
+    mods[0].ops, mods[1].mosaic_gpu = mods[1], mods[2]
+    mods[2].short_conv, mods[2].short_conv_l2norm = short_conv, short_conv_l2norm
+    for name, mod in zip(names, mods):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def _packed_call_and_grads(layer, x):
+    seg = jnp.asarray(np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [13, 12, 12], axis=1), jnp.int32)
+    pos = jnp.tile(jnp.arange(x.shape[1]), (x.shape[0], 1))
+    cot = jax.random.normal(jax.random.PRNGKey(7), x.shape[:2] + (layer.d_model,)) / (x.shape[0] * x.shape[1])
+
+    def loss(m, x):
+        return jnp.sum(m(x, segment_ids=seg, positions=pos).astype(jnp.float32) * cot)
+
+    return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(layer, x)
+
+
+def test_fused_conv_path_equals_the_xla_path(monkeypatch):
+    """conv_implementation="jla" (XLA stand-ins for jla's kernels: separate q/k/v projections, weights
+    handed over as [C, W], q and k normalised by the kernel, not by the op) gives the "xla" path's loss
+    and every gradient, with packed documents."""
+    _install_jla_conv_stand_ins(monkeypatch)
+    x = _x(5)
+    with jax.default_matmul_precision("highest"):  # fp32 tolerances on a GPU too (no TF32)
+        got, want = (_packed_call_and_grads(KimiDeltaAttention(D, H, K, chunk_size=16, conv_implementation=c,
+                                                               dtype=jnp.float32, rngs=nnx.Rngs(0)), x)
+                     for c in ("jla", "xla"))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[1][1], want[1][1], rtol=1e-4, atol=1e-7)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(got[1][0])),
+                                 jax.tree_util.tree_leaves_with_path(nnx.state(want[1][0]))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8, err_msg=str(path))
+
+
+def test_conv_implementation_validated():
+    with pytest.raises(ValueError, match="conv_implementation"):
+        KimiDeltaAttention(D, H, K, conv_implementation="triton", rngs=nnx.Rngs(0))
+
+
+def _on_hopper_with_jla() -> bool:
+    try:
+        import jla.ops.mosaic_gpu.short_conv_l2norm  # noqa: F401
+    except ImportError:
+        return False
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+@pytest.mark.skipif(not _on_hopper_with_jla(), reason="jla's Mosaic GPU conv kernels need an sm_90 GPU and jla")
+def test_hopper_jla_conv_kernels_match_the_xla_path():
+    """The real kernels (bf16, K = 128 heads) against the XLA conv + op L2 norm: output and every gradient
+    within bf16 rounding, at a loss scale of 1/tokens, with packed documents; None picks them here."""
+    d, h, k = 256, 4, 128
+    x = jax.random.normal(jax.random.PRNGKey(11), (B, T, d), jnp.bfloat16)
+    layers = {c: KimiDeltaAttention(d, h, k, chunk_size=16, conv_implementation=c, rngs=nnx.Rngs(0))
+              for c in (None, "jla", "xla")}
+    assert layers[None]._fused_conv(x, None) is not None
+    got, want = (_packed_call_and_grads(layers[c], x) for c in ("jla", "xla"))
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30)
+
+    assert rel(got[0], want[0]) < 0.02
+    assert rel(got[1][1], want[1][1]) < 0.02
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(got[1][0])),
+                                 jax.tree_util.tree_leaves_with_path(nnx.state(want[1][0]))):
+        assert rel(a, b) < 0.02, path
