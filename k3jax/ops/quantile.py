@@ -53,9 +53,12 @@ def quantile_margins(scores: jax.Array, routing: Routing, bias: jax.Array | None
 
 
 def _sortable_key(x: jax.Array) -> jax.Array:
-    """fp32 -> uint32 keys in the same total order (``-0.0 < +0.0``, NaN last, as ``jax.lax.sort``):
-    negatives have every bit flipped, non-negatives only the sign bit."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """fp32 -> uint32 keys in ascending order: negatives have every bit flipped, non-negatives only the
+    sign bit. Every NaN is made the positive quiet NaN first, so NaNs sort last as in ``jnp.sort``
+    (x86 produces sign-bit NaNs, e.g. ``inf - inf``). ``-0.0`` sorts just below ``+0.0`` (``jnp.sort``
+    keeps them in input order); the interpolated quantile is the same value either way."""
+    x = jnp.where(jnp.isnan(x), jnp.float32(jnp.nan), x.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
@@ -80,12 +83,14 @@ def exact_quantile(
     margins: jax.Array, mask: jax.Array, level: float, axis_names: Sequence[str] = ()
 ) -> tuple[jax.Array, jax.Array]:
     """Per-column linear-interpolation quantile at ``level`` of the valid rows of ``margins [N, E]``
-    (numpy's "linear"). Returns ``(value [E] fp32, any_valid bool scalar)``.
+    (numpy's "linear"). Returns ``(value [E] fp32, any_valid bool scalar)``; with no valid row the
+    value is NaN and ``any_valid`` False.
 
     The two order statistics it interpolates are found by radix select on order-preserving uint32 keys
-    (32 passes, each an int32 count per column), not by sorting: the same values, bit for bit, from
-    32 column reductions instead of a sort along the tokens. Inside shard_map the counts are psum'ed over ``axis_names`` (33
-    int32 ``[E]`` psums and one pmin) instead of all-gathering the margins."""
+    (32 passes, each an int32 count per column), not by sorting: the values of a ``jnp.sort`` of the
+    valid rows, bit for bit (NaNs last), from 32 column reductions instead of a sort along the tokens.
+    Inside shard_map the counts are psum'ed over ``axis_names`` (33 int32 ``[E]`` psums, one scalar psum
+    and one pmin) instead of all-gathering the margins."""
     keys = jnp.where(mask[:, None], _sortable_key(margins), jnp.uint32(0xFFFFFFFF))  # invalid rows last
     # every pass must read the same keys: without the barrier XLA may recompute the margins (softmax and
     # all) inside each counting fusion, with rounding that differs between fusions
