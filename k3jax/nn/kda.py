@@ -40,16 +40,16 @@ def short_causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | 
 
 
 def _jla_conv_kernels(x: jax.Array, head_dim: int, conv_size: int):
-    """jla's Mosaic GPU short-conv kernels (``short_conv``, ``short_conv_l2norm``) when they take a
-    ``[B, T, H·K]`` bf16 projection with this head_dim and conv_size (sm_90, one device), else None."""
+    """``((short_conv, short_conv_l2norm), None)``: jla's Mosaic GPU short-conv kernel modules when they
+    take a ``[B, T, H·K]`` projection with this head_dim and conv_size (sm_90, bf16, one device), else
+    ``(None, why not)``."""
     try:
         from jla.ops.mosaic_gpu import short_conv, short_conv_l2norm  # noqa: PLC0415 -- optional GPU dependency
-    except ImportError:
-        return None
+    except ImportError as err:
+        return None, f"jax-linear-attention is not importable ({err})"
     weight = jax.ShapeDtypeStruct((x.shape[-1], conv_size), jnp.float32)
-    if short_conv_l2norm.unsupported_reason(x, weight, head_dim=head_dim) is not None:
-        return None
-    return short_conv, short_conv_l2norm
+    reason = short_conv_l2norm.unsupported_reason(x, weight, head_dim=head_dim)
+    return (None, reason) if reason is not None else ((short_conv, short_conv_l2norm), None)
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -151,7 +151,10 @@ class KimiDeltaAttention(nnx.Module):
     # ------------------------------------------------------------------------------- interface
     def __call__(self, x, *, segment_ids, positions):
         """x [B, T, D], segment_ids [B, T] int32 (state and conv restart at every change of id),
-        positions [B, T] int32 (unused: KDA needs no positions) -> [B, T, D] in the compute dtype."""
+        positions [B, T] int32 (unused: KDA needs no positions) -> [B, T, D] in the compute dtype.
+
+        Raises ValueError when conv_implementation="jla" and jla's kernels do not take the call (with
+        jla's reason: not importable, not an sm_90 GPU, several devices, a dtype or shape they lack)."""
         del positions
         x = x.astype(self.dtype)
         qkv = self._fused_conv(x, segment_ids) if self.conv_implementation != "xla" else None
@@ -170,12 +173,11 @@ class KimiDeltaAttention(nnx.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         like = jax.ShapeDtypeStruct((B, T, H * K), self.dtype)
-        kernels = _jla_conv_kernels(like, K, self.conv_size)
+        kernels, reason = _jla_conv_kernels(like, K, self.conv_size)
         if kernels is None:
             if self.conv_implementation == "jla":
-                raise ValueError("conv_implementation='jla' needs jax-linear-attention's Mosaic GPU short-conv "
-                                 f"kernels to take [B, T, H*K] = {like.shape} {like.dtype} with head_dim={K} and "
-                                 f"conv_size={self.conv_size} (sm_90 GPU, one device)")
+                raise ValueError(f"conv_implementation='jla': jla's short-conv kernels do not take [B, T, H*K] = "
+                                 f"{like.shape} {like.dtype} with head_dim={K}, conv_size={self.conv_size}: {reason}")
             return None
         short_conv, short_conv_l2norm = kernels
         weights = jnp.split(self.conv_weight[...], 3, axis=1)  # [W, HK] each; jla's layout is [HK, W]

@@ -169,17 +169,23 @@ def add_to_slot(buffer, update, slot):
     """`buffer` with `update` added to slot `slot`: the scanned source buffer's partial-sum update.
 
     Args:
-      buffer: `[S, B, T, D]`. update: `[B, T, D]` (cast to the buffer's dtype). slot: int32 scalar,
-        may be traced; clamped to `[0, S)` like `jax.lax.dynamic_index_in_dim`.
+      buffer: `[S, B, T, D]`. update: `[B, T, D]`, exactly `buffer.shape[1:]` (cast to the buffer's
+        dtype). slot: int scalar, may be traced; read as `jax.lax.dynamic_index_in_dim` reads it
+        (a negative slot counts from the end, then it is clamped to `[0, S)`).
 
     Returns:
       The updated buffer, `buffer`'s shape and dtype.
+
+    Raises:
+      ValueError: `update`'s shape is not `buffer.shape[1:]` (no broadcasting).
 
     The gradient is written by hand: the buffer's cotangent passes through unchanged and the update's
     is that slot of it. JAX's own derivative of index + add + update zeroes the slot in a copy and adds
     a zero-padded slot back, a full pass over the buffer per sublayer that XLA cannot fuse into the
     Pallas depth-mix backward.
     """
+    if update.shape != buffer.shape[1:]:
+        raise ValueError(f"update must be buffer.shape[1:] = {buffer.shape[1:]}; got {update.shape}")
     current = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer, current + update.astype(buffer.dtype), slot, 0)
 

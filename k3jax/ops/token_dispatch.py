@@ -242,7 +242,7 @@ def grouped_swiglu(
     the rows are read once forward and the backward forms one ``d x``.
 
     Raises:
-      ValueError: ``w_gate`` and ``w_up`` of different shapes; from :func:`grouped_matmul` (ranks/shapes
+      ValueError: ``w_gate`` and ``w_up`` of different shapes; ``row_weights`` not ``[M]``; from :func:`grouped_matmul` (ranks/shapes
         that do not chain, non-integer ``group_sizes``, an ``implementation`` unknown or not supporting the call).
     """
     if w_gate.shape != w_up.shape:
@@ -269,7 +269,8 @@ def dropless_moe(
     *,
     implementation: str | None = None,
 ) -> jax.Array:
-    """Dropless MoE SwiGLU: ``y_i = Σ_s w_is · FFN_{e_is}(x_i)`` via permute → grouped matmuls → combine.
+    """Dropless MoE SwiGLU: ``y_i = Σ_s w_is · FFN_{e_is}(x_i)`` via permute → grouped matmuls (each row's
+    gate weight scaling its hidden activation) → un-permute and sum of the k rows.
 
     Args:
       x: ``[N, D]`` tokens (compute dtype). expert_ids: ``[N, k]`` int32 in ``[0, E)`` (every row then
@@ -282,12 +283,15 @@ def dropless_moe(
       ``[N, D]`` fp32.
 
     Raises:
-      ValueError: from :func:`permute` (``x`` not ``[N, D]`` or ``expert_ids`` not ``[N, k]``) and
-        :func:`grouped_matmul` (weights that do not chain, an ``implementation`` that cannot run).
+      ValueError: ``weights`` not of ``expert_ids``' shape; from :func:`permute` (``x`` not ``[N, D]`` or
+        ``expert_ids`` not ``[N, k]``) and :func:`grouped_matmul` (weights that do not chain, an
+        ``implementation`` that cannot run).
 
     Source: the dropless (no capacity, no token dropping) MoE of MegaBlocks (Gale et al. 2022,
-    arXiv 2211.15841) as a sort by expert + grouped GEMMs + weighted un-permute.
+    arXiv 2211.15841) as a sort by expert + grouped GEMMs + un-permute.
     """
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights must have expert_ids' shape [N, k] = {expert_ids.shape}; got {weights.shape}")
     num_experts = w_gate.shape[0]
     x_sorted, perm = permute(x, expert_ids, num_experts)
     top_k = expert_ids.shape[1]

@@ -162,6 +162,10 @@ def test_fused_conv_path_equals_the_xla_path(monkeypatch):
 def test_conv_implementation_validated():
     with pytest.raises(ValueError, match="conv_implementation"):
         KimiDeltaAttention(D, H, K, conv_implementation="triton", rngs=nnx.Rngs(0))
+    if not _on_hopper_with_jla():  # "jla" where its kernels cannot run says so, with their reason
+        layer = KimiDeltaAttention(D, H, K, chunk_size=16, conv_implementation="jla", rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="conv_implementation='jla': .*: "):
+            layer(_x(), segment_ids=jnp.zeros((B, T), jnp.int32), positions=jnp.zeros((B, T), jnp.int32))
 
 
 def _on_hopper_with_jla() -> bool:

@@ -276,10 +276,11 @@ def test_scan_over_fixed_source_buffer_matches_reference():
     np.testing.assert_allclose(hs, np.stack(ref.sublayer_inputs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("slot", [0, 2, 3, 7, -1])  # 7 and -1 are clamped to 3 and 0
+@pytest.mark.parametrize("slot", [0, 2, 3, 7, -1])  # 7 is clamped to 3; -1 counts from the end (3)
 def test_add_to_slot_equals_autodiff_of_index_add_update(slot):
     """add_to_slot's hand-written VJP equals JAX's derivative of index + add + update, forward and both
-    cotangents, with the slot traced (as in the scan) and out of range (clamped like dynamic_index)."""
+    cotangents, with the slot traced (as in the scan) and out of range (read as dynamic_index reads it);
+    an update that would broadcast is refused by name."""
     buffer = _randn(40, (4, B, T, D)).astype(jnp.bfloat16)
     update = _randn(41, (B, T, D))  # fp32 update into a bf16 buffer, as a sublayer output may be
     cot = (_randn(42, buffer.shape) / (B * T)).astype(jnp.bfloat16)
@@ -296,6 +297,8 @@ def test_add_to_slot_equals_autodiff_of_index_add_update(slot):
     for name, a, b in zip(("out", "dbuffer", "dupdate"), got, want):
         assert a.dtype == b.dtype, name
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    with pytest.raises(ValueError, match="update must be buffer.shape"):
+        R.add_to_slot(buffer, update[0], jnp.int32(slot))
 
 
 def test_gradients_reach_every_pseudo_query_after_one_step():

@@ -234,3 +234,12 @@ def test_grouped_swiglu_row_weights_scale_the_output_rows():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7, err_msg=name)
     with pytest.raises(ValueError, match="row_weights must be"):
         TD.grouped_swiglu(x, sizes, wg, wu, wd, row_weights=rw[:-1])
+
+
+def test_dropless_weights_of_another_shape_raise():
+    """A transposed, flat or k-mismatched weights array is refused by name (it would otherwise be
+    reshaped into the sorted order and scramble or NaN the output)."""
+    x, ids, w, wg, wu, wd = _params()
+    for bad in (w.T, w.reshape(-1), w[:, :1]):
+        with pytest.raises(ValueError, match="weights must have expert_ids' shape"):
+            TD.dropless_moe(x, ids, bad, wg, wu, wd)
