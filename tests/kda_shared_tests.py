@@ -18,7 +18,7 @@ from jax.test_util import check_grads
 from k3jax.ops.kda import kda, kda_recurrent
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES, LOSS_SCALE_GATES,
                                LOSS_SCALES, RUN_BOUND, assert_rms_close, kda_loss_and_grads, loss_scale_gates,
-                               make_kda_inputs, rms_ratio)
+                               make_kda_inputs, rms_ratio, fp32_tolerance)
 
 
 def numpy_kda(q, k, v, g, beta, h0, segment_ids, scale):
@@ -110,7 +110,7 @@ class KDAImplementationTests:
                 inputs, do, dht)
         o, ht, grads = under_test(inputs)
         assert o.dtype == jnp.dtype(dtype) and ht.dtype == jnp.float32
-        tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+        tol = fp32_tolerance if dtype == "float32" else FLA_BF16_TOLERANCES.get
         errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
         for name in GRAD_NAMES:
             errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))
@@ -201,7 +201,7 @@ class KDAImplementationTests:
                                                                    output_final_state=True, lower_bound=-5.0, **docs))
         oracle = scaled(lambda q, k, v, g, beta, h0: kda_recurrent(q, k, v, g, beta, initial_state=h0,
                                                                     output_final_state=True, **docs))
-        tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+        tol = fp32_tolerance if dtype == "float32" else FLA_BF16_TOLERANCES.get
         for case in gate_cases:
             x["g"] = loss_scale_gates(kg, (B, T, H, K), case)
             ref = oracle({n: a.astype(jnp.float32) for n, a in x.items()}, 1.0)

@@ -24,7 +24,7 @@ from k3jax.ops.kda import kda, kda_recurrent
 from k3jax.ops.kda_reference import l2_normalize
 from pallas_kernels.kda import plan as plan_lib
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FLA_SHAPES, FP32_TOLERANCE, GRAD_NAMES, assert_rms_close,
-                               kda_loss_and_grads, make_kda_inputs, rms_ratio)
+                               kda_loss_and_grads, make_kda_inputs, rms_ratio, fp32_tolerance)
 from tests.kda_shared_tests import KDAImplementationTests
 
 INTERPRET_SHAPES = [FLA_SHAPES[0], FLA_SHAPES[1]]          # (1, 63, 1, 64), (2, 500, 3, 60)
@@ -74,7 +74,7 @@ def errors_vs_recurrent(x, seg, dtype, keys, **kda_pallas_kw):
     o_ref, ht_ref, g_ref = jax.jit(lambda x: kda_loss_and_grads(
         lambda q, k, v, g, b, h0: kda_recurrent(q, k, v, g, b, initial_state=h0, output_final_state=True,
                                                 segment_ids=seg), x, do, dht))(x32)
-    tol = (lambda name: FP32_TOLERANCE) if dtype == "float32" else FLA_BF16_TOLERANCES.get
+    tol = fp32_tolerance if dtype == "float32" else FLA_BF16_TOLERANCES.get
     errs = {"o": assert_rms_close("o", o_ref, o, tol("o")), "ht": assert_rms_close("ht", ht_ref, ht, tol("ht"))}
     for name in GRAD_NAMES:
         errs[name] = assert_rms_close(name, g_ref[name], grads[name], tol(name))

@@ -25,7 +25,7 @@ import numpy as np
 from k3jax.ops.kda import kda_chunked, kda_recurrent
 from pallas_kernels.kda import kda_pallas
 from tests.kda_testing import (FLA_BF16_TOLERANCES, FP32_TOLERANCE, GRAD_NAMES, assert_rms_close,
-                               kda_loss_and_grads, make_kda_inputs, rms_ratio)
+                               kda_loss_and_grads, make_kda_inputs, rms_ratio, fp32_tolerance)
 
 K, V = 12, 7            # not powers of two, different: padded to 16 and 16
 
@@ -80,7 +80,7 @@ def _assert_close(ref, out, tol):
 
 
 def _tolerance(dtype):
-    return (lambda name: FP32_TOLERANCE) if dtype == jnp.float32 else FLA_BF16_TOLERANCES.get
+    return fp32_tolerance if dtype == jnp.float32 else FLA_BF16_TOLERANCES.get
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
