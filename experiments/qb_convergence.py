@@ -50,7 +50,7 @@ from k3jax.ops import routing as R
 def _define_flags():
     """Command-line flags, defined only when run as a script (so that importing this module, e.g. from
     a test next to other experiment modules, defines no absl flags that could collide)."""
-    global _OUT, _D, _E, _K, _SCALE, _POP, _N, _STEPS, _WARMUP, _DOCS, _SEED, _FROM_JSON
+    global _OUT, _D, _E, _K, _SCALE, _POP, _N, _NS, _STEPS, _WARMUP, _DOCS, _SEED, _FROM_JSON
     _OUT = flags.DEFINE_string("out", "/tmp/k3jax_qb_convergence/qb_convergence", "output path prefix "
                                   "(.json/.md/.png); the committed result: --out=experiments/results/qb_convergence")
     _D = flags.DEFINE_integer("d", 128, "router input dimension d")
@@ -59,6 +59,7 @@ def _define_flags():
     _SCALE = flags.DEFINE_float("scale", 1.5, "logit scale (peakedness of the softmax router)")
     _POP = flags.DEFINE_float("popularity", 1.0, "|mu|: std of the per-expert mean logit before scale")
     _N = flags.DEFINE_integer("tokens", 16384, "tokens per batch of parts (1), (3), (4)")
+    _NS = flags.DEFINE_list("stationary_tokens", ["1024", "4096", "16384", "65536"], "batch sizes N of part (2)")
     _STEPS = flags.DEFINE_integer("steps", 40, "batches per stream")
     _WARMUP = flags.DEFINE_integer("warmup", 10, "batches skipped before averaging")
     _DOCS = flags.DEFINE_integer("docs", 32, "documents per batch in part (4)")
@@ -271,7 +272,7 @@ def main(argv):
 
     # (2) stationary: N sweep.
     res["stationary"] = {}
-    for n_i in (1024, 4096, 16384, 65536):
+    for n_i in (int(x) for x in _NS.value):
         row = {"binomial_floor": binomial_floor(n_i, E, k)}
         for est in ("exact", "histogram"):
             row[est] = stream(router, jax.random.fold_in(key, 3), n_i, k, estimator=est, steps=steps,
