@@ -145,10 +145,11 @@ def check_qk(q, k):
 
 def interpret_params(interpret):
     """plgpu.kernel's `interpret` from ours: False -> compiled, True -> Mosaic GPU interpret mode
-    (CPU), or an InterpretGPUParams as given (e.g. detect_races=True)."""
+    (CPU) with one TMA vector clock (race-detector bookkeeping only: halves the interpreter's time per call),
+    or an InterpretGPUParams as given (e.g. detect_races=True)."""
     if isinstance(interpret, plgpu.InterpretGPUParams):
         return interpret
-    return plgpu.InterpretGPUParams() if interpret else None
+    return plgpu.InterpretGPUParams(num_tma_threads_per_device=1) if interpret else None
 
 
 def is_hopper(device=None) -> bool:
