@@ -363,6 +363,7 @@ def main(argv):
         if _HLO.value == "dump":  # before the backend starts: XLA reads XLA_FLAGS once
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={trace_dir}/hlo "
                                        "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*").strip()
+            jax.config.update("jax_enable_compilation_cache", False)  # a persistent-cache hit would dump nothing
         result = profile_run(cfg, warmup=_WARMUP.value, timed=_TIMED.value, steps=_STEPS.value, trace_dir=trace_dir,
                              hlo=_HLO.value, python_tracer=_PYTHON_TRACER.value, top=_TOP.value,
                              doc_len=_DOC_LEN.value)
