@@ -245,12 +245,24 @@ def binomial_floor(n, num_experts, top_k, trials=4000, seed=0):
     return float(np.mean((loads.max(axis=1) - mean) / mean))
 
 
+def _stationary_tokens(values) -> list[int]:
+    """--stationary_tokens as positive ints; ValueError naming the flag otherwise."""
+    try:
+        ns = [int(v) for v in values]
+    except ValueError:
+        ns = []
+    if not ns or min(ns) < 1:
+        raise ValueError(f"--stationary_tokens must be positive integers, got {values!r}")
+    return ns
+
+
 def main(argv):
     del argv
     if _FROM_JSON.value:
         with open(_FROM_JSON.value) as f:
             write_outputs(json.load(f), _OUT.value)
         return
+    stationary_tokens = _stationary_tokens(_NS.value)  # before any work
     t0 = time.time()
     E, k, d, n = _E.value, _K.value, _D.value, _N.value
     key = jax.random.PRNGKey(_SEED.value)
@@ -272,7 +284,7 @@ def main(argv):
 
     # (2) stationary: N sweep.
     res["stationary"] = {}
-    for n_i in (int(x) for x in _NS.value):
+    for n_i in stationary_tokens:
         row = {"binomial_floor": binomial_floor(n_i, E, k)}
         for est in ("exact", "histogram"):
             row[est] = stream(router, jax.random.fold_in(key, 3), n_i, k, estimator=est, steps=steps,
