@@ -155,6 +155,13 @@ def test_qb_fixed_point_and_stationary_stream():
     np.testing.assert_allclose(floor, 0.092, atol=0.01)
 
 
+@pytest.mark.parametrize("values", [["0"], ["64", "-1"], ["1e3"], []])
+def test_qb_stationary_tokens_must_be_positive_integers(values):
+    assert Q._stationary_tokens(["64", "1024"]) == [64, 1024]  # noqa: SLF001
+    with pytest.raises(ValueError, match="--stationary_tokens"):
+        Q._stationary_tokens(values)  # noqa: SLF001
+
+
 def test_k3_small_gpu_script_smoke(tmp_path):
     """The whole script at a tiny size (attention-only mixers: KDA compiles are slow on CPU and the KDA
     path is tested elsewhere; what is tested is the script); K3 stops on its wall-clock budget (counted
