@@ -21,6 +21,8 @@ Per gate, in one process, the same config except `model.kda.gate` (data order, s
     operand k·exp(a - G) with the anchor a at the tile start (`gate_stability.tile_stats`); the tile
     overflows bf16/fp32 when the span exceeds ln(float32 max) = 88.72. The table gives the fraction of
     overflowing tiles and the span's quantiles per gate (the bounded gate's span is at most C·|lower_bound|).
+`--evaluate_only` skips 1 and takes the step and tokens/s from each run's metrics.jsonl (the span pass of
+the full K3-small model runs eagerly, ~2 min on an H100: a device call's time limit can cut it off).
 Writes <out>.json and <out>.md (date, device, versions). Processes that share one GPU share its time: their
 tokens/s are then not step-time numbers (the table says how many processes shared the device).
 """
@@ -116,6 +118,22 @@ def evaluate_run(cfg, tiles: list[int], span_batches: int) -> dict:
     return result
 
 
+def finished_run_summary(workdir: str) -> dict:
+    """{"step", "tokens_per_s"} of a finished run: its metrics.jsonl's last record with tokens/s
+    (`--evaluate_only`, e.g. after a run whose span measurement was cut off).
+
+    Raises:
+      ValueError: no metrics.jsonl in `workdir`, or no record in it with tokens/s.
+    """
+    from k3jax.train.metrics import read_metrics  # noqa: PLC0415
+    if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+        raise ValueError(f"--evaluate_only: no finished run in {workdir} (no metrics.jsonl)")
+    records = [r for r in read_metrics(workdir) if "tokens_per_s" in r]
+    if not records:
+        raise ValueError(f"--evaluate_only: {workdir}/metrics.jsonl has no training record")
+    return {"step": int(records[-1]["step"]), "tokens_per_s": float(records[-1]["tokens_per_s"])}
+
+
 def merge_results(docs: list[dict]) -> dict:
     """One result from per-gate results of the same base config (e.g. one process per gate).
 
@@ -161,7 +179,7 @@ def render(result: dict) -> str:
 
 
 def _define_flags():
-    global _CONFIG, _STEPS, _BUDGET, _ROOT, _OUT, _TILES, _SPAN_BATCHES, _TINY, _GATES, _MERGE
+    global _CONFIG, _STEPS, _BUDGET, _ROOT, _OUT, _TILES, _SPAN_BATCHES, _TINY, _GATES, _MERGE, _EVALUATE_ONLY
     from experiments.configs.common import define_config_file  # noqa: PLC0415
     _CONFIG = define_config_file("config", "experiments/configs/k3_small_gpu.py", "Run config (both gates).")
     _STEPS = flags.DEFINE_integer("steps", 0, "Training steps (0 = the config's train.steps).")
@@ -173,6 +191,8 @@ def _define_flags():
     _TINY = flags.DEFINE_bool("tiny", False, "A CPU smoke size (d 32, 2 layers KA, 2 x 64 tokens).")
     _GATES = flags.DEFINE_list("gates", list(GATES), f"Gates to run, from {GATES}; one per process with --steps.")
     _MERGE = flags.DEFINE_list("merge", [], "Result JSONs (one per gate) to merge into --out instead of training.")
+    _EVALUATE_ONLY = flags.DEFINE_bool("evaluate_only", False, "Do not train: evaluate each gate's finished run in "
+                                       "--workdir_root (step and tokens/s from its metrics.jsonl), same flags.")
 
 
 def main(argv):
@@ -209,11 +229,14 @@ def main(argv):
         d = json.loads(json.dumps(base))
         d["model"]["kda"]["gate"] = gate
         d["workdir"] = os.path.join(_ROOT.value, gate)
-        if os.path.isdir(d["workdir"]) and os.listdir(d["workdir"]):
-            raise ValueError(f"--workdir_root: {d['workdir']} is not empty (the trainer would resume it)")
         cfg = run_config_from_dict(d)
-        stop = reached if reached is not None and reached < cfg.train.steps else None  # equal tokens
-        summary = train(cfg, show_progress=False, stop_at_step=stop, time_budget_s=_BUDGET.value or None)
+        if _EVALUATE_ONLY.value:
+            summary = finished_run_summary(d["workdir"])
+        else:
+            if os.path.isdir(d["workdir"]) and os.listdir(d["workdir"]):
+                raise ValueError(f"--workdir_root: {d['workdir']} is not empty (the trainer would resume it)")
+            stop = reached if reached is not None and reached < cfg.train.steps else None  # equal tokens
+            summary = train(cfg, show_progress=False, stop_at_step=stop, time_budget_s=_BUDGET.value or None)
         reached = reached or int(summary["step"])
         runs[gate] = {"step": int(summary["step"]), "tokens_per_s": summary["tokens_per_s"],
                       **evaluate_run(cfg, tiles, _SPAN_BATCHES.value)}

@@ -57,3 +57,15 @@ def test_merge_joins_one_result_per_gate_at_equal_steps():
         git.merge_results([doc("bounded", 10), doc("softplus", 10, {"a": 2})])
     with pytest.raises(ValueError, match="at least two"):
         git.merge_results([doc("bounded", 10)])
+
+
+def test_finished_run_summary_reads_the_last_training_record(tmp_path):
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        git.finished_run_summary(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "val_loss": 2.0}\n')
+    with pytest.raises(ValueError, match="no training record"):
+        git.finished_run_summary(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "ce": 1.0, "tokens_per_s": 100.0}\n'
+                                            '{"step": 20, "ce": 0.5, "tokens_per_s": 250.5}\n'
+                                            '{"step": 20, "val_loss": 1.5}\n')
+    assert git.finished_run_summary(str(tmp_path)) == {"step": 20, "tokens_per_s": 250.5}
