@@ -64,7 +64,18 @@ def _fla_case(shape, gate):
 
 
 _SLOW_T = 1000
-FLA_CASES = [pytest.param(s, marks=pytest.mark.slow) if s[1] >= _SLOW_T else s for s in FLA_SHAPES]
+# (shape, gate, dtype) of test_matches_recurrent_on_fla_shapes: every gate and dtype at fla's shapes with
+# T < 1000; at the five longer ones (each ~25 s of CPU time a case), each shape once and each (gate,
+# dtype) pair at least once, the longest in both gates at bf16, the training dtype.
+_LONG_FLA_CASES = {(2, 1000, 3, 64): [("softplus", "float32")], (3, 1024, 4, 100): [("bounded", "float32")],
+                   (4, 1024, 4, 128): [("softplus", "bfloat16")], (2, 1500, 4, 128): [("bounded", "bfloat16")],
+                   (4, 2048, 8, 64): [("bounded", "bfloat16"), ("softplus", "bfloat16")]}
+assert set(_LONG_FLA_CASES) == {s for s in FLA_SHAPES if s[1] >= _SLOW_T}
+FLA_CASES = [pytest.param(s, gate, dtype, id="x".join(map(str, s)) + f"-{gate}-{dtype}",
+                          marks=[pytest.mark.slow] if s[1] >= _SLOW_T else [])
+             for s in FLA_SHAPES
+             for gate, dtype in _LONG_FLA_CASES.get(s, [(g, d) for g in ("bounded", "softplus")
+                                                        for d in ("float32", "bfloat16")])]
 
 
 class KDAImplementationTests:
@@ -94,9 +105,7 @@ class KDAImplementationTests:
     def _lower_bound(gate):
         return -5.0 if gate == "bounded" else None
 
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    @pytest.mark.parametrize("gate", ["bounded", "softplus"])
-    @pytest.mark.parametrize("shape", FLA_CASES)
+    @pytest.mark.parametrize("shape, gate, dtype", FLA_CASES)
     def test_matches_recurrent_on_fla_shapes(self, shape, gate, dtype):
         x, x32, do, dht, (o_ref, ht_ref, g_ref) = _fla_case(shape, gate)
         inputs = x32 if dtype == "float32" else x
