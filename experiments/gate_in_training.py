@@ -113,25 +113,46 @@ def evaluate_run(cfg, tiles: list[int], span_batches: int) -> dict:
                   positions=jnp.asarray(batch["positions"]), train=False)
         for c in tiles:
             spans[c] += [tile_spans(g, c) for g in gs]
+    result["val_batches"] = len(batches[:cfg.train.eval_batches])
+    result["val_tokens_evaluated"] = int(sum(b["inputs"].size for b in batches[:cfg.train.eval_batches]))
+    result["span_batches"] = len(batches[:span_batches])
     result["kda_layers"] = len(spans[tiles[0]]) // max(min(span_batches, len(batches)), 1)
     result["spans"] = {str(c): span_stats(s) for c, s in spans.items()}
     return result
 
 
-def finished_run_summary(workdir: str) -> dict:
-    """{"step", "tokens_per_s"} of a finished run: its metrics.jsonl's last record with tokens/s
-    (`--evaluate_only`, e.g. after a run whose span measurement was cut off).
+def finished_run_summary(cfg) -> dict:
+    """{"step", "tokens_per_s", "train_tokens", "val_tokens"} of the finished run in `cfg.workdir`
+    (`--evaluate_only`, e.g. after a run whose span measurement was cut off): step and tokens/s from its
+    metrics.jsonl's last training record, corpus sizes from its run_header.json.
 
     Raises:
-      ValueError: no metrics.jsonl in `workdir`, or no record in it with tokens/s.
+      ValueError: no metrics.jsonl or run_header.json in the workdir; a header written for another model,
+        data or step count than `cfg`; no training record; a last record before `cfg.train.steps`.
     """
+    from k3jax.train.config import run_config_from_dict  # noqa: PLC0415
     from k3jax.train.metrics import read_metrics  # noqa: PLC0415
-    if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
-        raise ValueError(f"--evaluate_only: no finished run in {workdir} (no metrics.jsonl)")
+    workdir = cfg.workdir
+    for name in ("metrics.jsonl", "run_header.json"):
+        if not os.path.isfile(os.path.join(workdir, name)):
+            raise ValueError(f"--evaluate_only: no finished run in {workdir} (no {name})")
+    with open(os.path.join(workdir, "run_header.json")) as f:
+        header = json.load(f)
+    ran = run_config_from_dict(header["config"])
+    for section in ("model", "data"):
+        if getattr(ran, section) != getattr(cfg, section):
+            raise ValueError(f"--evaluate_only: {workdir} was trained with another {section} config than these flags")
+    if ran.train.steps != cfg.train.steps:
+        raise ValueError(f"--evaluate_only: {workdir} was run for {ran.train.steps} steps, the flags say "
+                         f"{cfg.train.steps} (pass the run's --steps)")
     records = [r for r in read_metrics(workdir) if "tokens_per_s" in r]
     if not records:
         raise ValueError(f"--evaluate_only: {workdir}/metrics.jsonl has no training record")
-    return {"step": int(records[-1]["step"]), "tokens_per_s": float(records[-1]["tokens_per_s"])}
+    if int(records[-1]["step"]) != cfg.train.steps:
+        raise ValueError(f"--evaluate_only: {workdir} stopped at step {records[-1]['step']} of {cfg.train.steps} "
+                         "(not finished; rerun it to resume)")
+    return {"step": int(records[-1]["step"]), "tokens_per_s": float(records[-1]["tokens_per_s"]),
+            "train_tokens": int(header["train_tokens"]), "val_tokens": int(header["val_tokens"])}
 
 
 def merge_results(docs: list[dict]) -> dict:
@@ -173,6 +194,10 @@ def render(result: dict) -> str:
         for c, s in r["spans"].items():
             rows.append([gate, r["step"], f"{r['val_loss']:.4f}", f"{r['val_bpb']:.4f}", f"{r['tokens_per_s']:,.0f}",
                          c, f"{s['overflow_fraction']:.2e}", f"{s['p50']:.1f}", f"{s['p99']:.1f}", f"{s['max']:.1f}"])
+    sizes = {(r["val_batches"], r["val_tokens_evaluated"], r["span_batches"])
+             for r in result["runs"].values() if "val_batches" in r}
+    for vb, vt, sb in sorted(sizes):
+        lines += [f"Val loss on {vb} validation batch(es) ({vt:,} tokens); spans on {sb} batch(es).", ""]
     lines += markdown_table(["gate", "steps", "val loss", "val bpb", "tokens/s", "tile C", "overflowing tiles",
                              "span p50", "span p99", "span max"], rows)
     return "\n".join(lines) + "\n"
@@ -225,21 +250,28 @@ def main(argv):
                              warmup_steps=min(base["train"]["warmup_steps"], max(_STEPS.value // 10, 1)))
     tiles = [int(c) for c in _TILES.value]
     runs, reached = {}, None
+    cfgs = {}
     for gate in gates:
         d = json.loads(json.dumps(base))
         d["model"]["kda"]["gate"] = gate
         d["workdir"] = os.path.join(_ROOT.value, gate)
-        cfg = run_config_from_dict(d)
+        cfgs[gate] = run_config_from_dict(d)
+    finished = {g: finished_run_summary(c) for g, c in cfgs.items()} if _EVALUATE_ONLY.value else {}
+    for gate, cfg in cfgs.items():
         if _EVALUATE_ONLY.value:
-            summary = finished_run_summary(d["workdir"])
+            summary = finished[gate]
         else:
-            if os.path.isdir(d["workdir"]) and os.listdir(d["workdir"]):
-                raise ValueError(f"--workdir_root: {d['workdir']} is not empty (the trainer would resume it)")
+            if os.path.isdir(cfg.workdir) and os.listdir(cfg.workdir):
+                raise ValueError(f"--workdir_root: {cfg.workdir} is not empty (the trainer would resume it)")
             stop = reached if reached is not None and reached < cfg.train.steps else None  # equal tokens
             summary = train(cfg, show_progress=False, stop_at_step=stop, time_budget_s=_BUDGET.value or None)
         reached = reached or int(summary["step"])
         runs[gate] = {"step": int(summary["step"]), "tokens_per_s": summary["tokens_per_s"],
+                      **{k: summary[k] for k in ("train_tokens", "val_tokens") if k in summary},
                       **evaluate_run(cfg, tiles, _SPAN_BATCHES.value)}
+        if runs[gate]["checkpoint_step"] != runs[gate]["step"]:
+            raise ValueError(f"{cfg.workdir}: the newest checkpoint is step {runs[gate]['checkpoint_step']}, "
+                             f"the run reached {runs[gate]['step']}")
     result = {"env": environment(), "config_file": config_flags.get_config_filename(flags.FLAGS["config"]), "tiny": _TINY.value,
               "base_config": base, "runs": runs}
     text = render(result)

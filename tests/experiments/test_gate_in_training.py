@@ -60,12 +60,31 @@ def test_merge_joins_one_result_per_gate_at_equal_steps():
 
 
 def test_finished_run_summary_reads_the_last_training_record(tmp_path):
+    import dataclasses
+    import json
+
+    from experiments.configs.k3_tiny import get_config
+    from k3jax.train.config import run_config_from_dict
+    d = get_config().to_dict()
+    d["train"].update(steps=20, warmup_steps=2)
+    d["workdir"] = str(tmp_path)
+    cfg = run_config_from_dict(d)
     with pytest.raises(ValueError, match="no metrics.jsonl"):
-        git.finished_run_summary(str(tmp_path))
+        git.finished_run_summary(cfg)
+    header = {"config": dataclasses.asdict(cfg), "train_tokens": 1000, "val_tokens": 50}
+    (tmp_path / "run_header.json").write_text(json.dumps(header))
     (tmp_path / "metrics.jsonl").write_text('{"step": 5, "val_loss": 2.0}\n')
     with pytest.raises(ValueError, match="no training record"):
-        git.finished_run_summary(str(tmp_path))
+        git.finished_run_summary(cfg)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "ce": 1.0, "tokens_per_s": 100.0}\n')
+    with pytest.raises(ValueError, match="stopped at step 10 of 20"):
+        git.finished_run_summary(cfg)
     (tmp_path / "metrics.jsonl").write_text('{"step": 10, "ce": 1.0, "tokens_per_s": 100.0}\n'
                                             '{"step": 20, "ce": 0.5, "tokens_per_s": 250.5}\n'
                                             '{"step": 20, "val_loss": 1.5}\n')
-    assert git.finished_run_summary(str(tmp_path)) == {"step": 20, "tokens_per_s": 250.5}
+    assert git.finished_run_summary(cfg) == {"step": 20, "tokens_per_s": 250.5, "train_tokens": 1000, "val_tokens": 50}
+    other = run_config_from_dict({**d, "model": {**d["model"], "d_model": 2 * d["model"]["d_model"]}})
+    with pytest.raises(ValueError, match="another model config"):
+        git.finished_run_summary(other)
+    with pytest.raises(ValueError, match="run for 20 steps"):
+        git.finished_run_summary(run_config_from_dict({**d, "train": {**d["train"], "steps": 30}}))
