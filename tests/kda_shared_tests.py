@@ -65,8 +65,8 @@ def _fla_case(shape, gate):
 
 _SLOW_T = 1000
 # (shape, gate, dtype) of test_matches_recurrent_on_fla_shapes: every gate and dtype at fla's shapes with
-# T < 1000; at the five longer ones (each ~25 s of CPU time a case), each shape once and each (gate,
-# dtype) pair at least once, the longest in both gates at bf16, the training dtype.
+# T < 1000; at the five longer ones (each ~25 s of CPU time a case), each shape at least once, each (gate,
+# dtype) pair at least once; the longest shape in both gates at bf16, the training dtype.
 _LONG_FLA_CASES = {(2, 1000, 3, 64): [("softplus", "float32")], (3, 1024, 4, 100): [("bounded", "float32")],
                    (4, 1024, 4, 128): [("softplus", "bfloat16")], (2, 1500, 4, 128): [("bounded", "bfloat16")],
                    (4, 2048, 8, 64): [("bounded", "bfloat16"), ("softplus", "bfloat16")]}
