@@ -84,6 +84,8 @@ def _define_flags():
         "residual_blocks", 8, "N for block_attnres (sublayer blocks) and article_block (layer blocks); capped at "
         "the number of units of the model.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_bool("scan_layers", False, "model.scan_layers (compile time independent of depth) for every "
+                      "variant but article_block, which has no scanned form and stays unrolled.")
     flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
     flags.DEFINE_string("out", "/tmp/k3jax_depth_residuals/depth_residuals", "Output prefix (.json/.md/_*.png); "
                         "the committed result is --out=experiments/results/depth_residuals.")
@@ -125,6 +127,7 @@ class Settings:
     residual_blocks: int = 8
     dtype: str = "float32"
     source: str = "python-stdlib"
+    scan_layers: bool = False   # model.scan_layers where the variant supports it (not article_block)
 
 
 def residual_blocks_for(variant: str, num_layers: int, requested: int) -> int:
@@ -141,11 +144,12 @@ def residual_blocks_for(variant: str, num_layers: int, requested: int) -> int:
 
 def run_config(settings: Settings, variant: str, num_layers: int, seed: int, workdir: str):
     """The `RunConfig` of one run (no sample at the end; one checkpoint, at the end)."""
-    from k3jax.models.config import ModelConfig, ResidualConfig
+    from k3jax.models.config import SCAN_RESIDUALS, ModelConfig, ResidualConfig
     from k3jax.train.config import DataConfig, RunConfig, TrainConfig
     s = settings
     model = ModelConfig(d_model=s.d_model, num_layers=num_layers, num_heads=s.num_heads, head_dim=s.head_dim,
                         d_ff=s.d_ff, mixer_pattern="A", ffn="mlp", dtype=s.dtype,
+                        scan_layers=s.scan_layers and variant in SCAN_RESIDUALS,
                         residual=ResidualConfig(kind=variant, block_unit="sublayers", blocks=max(
                             1, residual_blocks_for(variant, num_layers, s.residual_blocks))))
     data = DataConfig(source=s.source, seq_len=s.seq_len, batch_size=s.batch_size)
@@ -644,7 +648,7 @@ def main(argv):
                         d_ff=FLAGS.d_ff, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
                         learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                         eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
-                        residual_blocks=FLAGS.residual_blocks, dtype=FLAGS.dtype)
+                        residual_blocks=FLAGS.residual_blocks, dtype=FLAGS.dtype, scan_layers=FLAGS.scan_layers)
     depths = [int(d) for d in FLAGS.depths]
     seeds = [int(s) for s in FLAGS.seeds]
     start = time.time()

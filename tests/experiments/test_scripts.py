@@ -269,6 +269,13 @@ def test_compute_equivalent_reads_the_prenorm_multiplier_off_its_log_fit():
     assert "| block_attnres | 4 (8) |" in table and "1.40× ± 0.00" in table and "+10.0%" in table
 
 
+def test_depth_sweep_scan_layers_applies_where_the_variant_has_a_scanned_form(tmp_path):
+    settings = dr.Settings(scan_layers=True)
+    scanned = {v: dr.run_config(settings, v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS}
+    assert scanned == {"prenorm": True, "block_attnres": True, "full_attnres": True, "article_block": False}
+    assert not any(dr.run_config(dr.Settings(), v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS)
+
+
 def test_merge_groups_joins_seeds_and_refuses_conflicts():
     merged = dr.merge_groups([_group("prenorm", [(1, 2.0)]), _group("block_attnres", [(0, 1.0)]),
                               _group("prenorm", [(0, 2.1)])])

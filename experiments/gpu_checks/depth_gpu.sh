@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 27 part 2: the depth sweep (experiments/depth_residuals.py) at GPU scale, in device calls of at most
+# BUDGET seconds. From the repository root of the device copy:
+#   OUT_DIR=$OUT bash experiments/gpu_checks/depth_gpu.sh          # repeat until it prints "sweep complete"
+# Every finished (variant, seed) writes result_*.json in WORKDIR; a call copies them to $OUT_DIR/results. Carry
+# them into the next call (copy them to WORKDIR here, carry WORKDIR): --reuse skips them, a killed run restarts.
+# When every run exists, the call runs the timing pass (each variant alone, TIMING steps) and writes the table.
+# Env: PY (python3), OUT_DIR ($OUT), NAME (depth_gpu_L32), WORKDIR (runs/depth_gpu), DEPTHS (32), STEPS (300),
+# SEEDS (0,1,2), PARALLEL (5; 6 on an H200), BUDGET (540 s), TIMING (40), EXTRA (more flags).
+# Plan (2026-12-05, H100, 3 runs sharing the GPU): an unrolled 32-layer run trained in ~380 s, of which its 300
+# steps at ~150 k tokens/s are ~33 s: the rest is mostly compilation. Hence --scan_layers; article_block has no scanned form and still compiles per layer. Call 1: EXTRA=
+# "--variants=prenorm,block_attnres,full_attnres". Call 2: the default variants, which adds article_block, then
+# the timing pass and the table. DEPTHS=24 and NAME=depth_gpu_L24 repeat it at 24 layers.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+OUT_DIR=${OUT_DIR:-${OUT:-/tmp/depth_gpu}}
+NAME=${NAME:-depth_gpu_L32}; WORKDIR=${WORKDIR:-runs/depth_gpu}; DEPTHS=${DEPTHS:-32}; STEPS=${STEPS:-300}
+SEEDS=${SEEDS:-0,1,2}; PARALLEL=${PARALLEL:-5}; BUDGET=${BUDGET:-540}; TIMING=${TIMING:-40}
+SETTINGS=(--depths="$DEPTHS" --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 --seq_len=1024 --batch_size=16
+          --steps="$STEPS" --learning_rate=1e-3 --warmup_steps=40 --eval_every=100 --eval_batches=4 --dtype=bfloat16
+          --seeds="$SEEDS" --token_multipliers=1.25,1.5 --scan_layers --workdir="$WORKDIR"
+          --compilation_cache_dir=/tmp/depth_gpu_cache
+          ${EXTRA:-})
+START=$(date +%s)
+mkdir -p "$OUT_DIR/results"
+timeout -k 10 "$BUDGET" $PY -m experiments.depth_residuals "${SETTINGS[@]}" --parallel="$PARALLEL" --split_seeds \
+  --timing_steps=0 --out="$OUT_DIR/sweep_only" > "$OUT_DIR/sweep.log" 2>&1
+RC=$?
+cp "$WORKDIR"/result_*.json "$OUT_DIR/results/" 2>/dev/null
+grep -E "seed=|reusing|Error|error" "$OUT_DIR/sweep.log" | tail -40
+echo "sweep rc=$RC after $(( $(date +%s) - START )) s; $(ls "$OUT_DIR"/results | wc -l) result files"
+if [ "$RC" -eq 0 ]; then
+  echo "sweep complete"
+  $PY -m experiments.depth_residuals "${SETTINGS[@]}" --parallel=1 --split_seeds --timing_steps="$TIMING" \
+    --out="$OUT_DIR/$NAME" > "$OUT_DIR/final.log" 2>&1
+  echo "final rc=$?"; tail -12 "$OUT_DIR/final.log"
+fi
