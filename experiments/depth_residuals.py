@@ -287,6 +287,11 @@ def _run_isolated(spec: dict, parallel: int, cache_dir: str) -> dict:
         return json.load(f)
 
 
+def _full_settings(settings: dict) -> dict:
+    """`settings` of a result JSON with the fields it predates at their defaults (e.g. scan_layers)."""
+    return dataclasses.asdict(Settings(**settings))
+
+
 def merge_groups(groups: list[dict]) -> list[dict]:
     """Groups of the same (variant, depth, token multiplier) combined into one (their runs by seed), in
     first-seen order.
@@ -301,7 +306,7 @@ def merge_groups(groups: list[dict]) -> list[dict]:
             merged[key] = json.loads(json.dumps(g))
             continue
         m = merged[key]
-        if m["settings"] != g["settings"]:
+        if _full_settings(m["settings"]) != _full_settings(g["settings"]):
             raise ValueError(f"groups of {key} have different settings: {m['settings']} vs {g['settings']}")
         twice = {r["seed"] for r in m["runs"]} & {r["seed"] for r in g["runs"]}
         if twice:
@@ -352,7 +357,7 @@ def run_sweep(settings: Settings, variants, depths, seeds, *, workdir: str, isol
         if reuse and os.path.exists(path):
             with open(path) as f:
                 old = json.load(f)
-            if old["settings"] == dataclasses.asdict(s) and old["seeds"] == chunk:
+            if _full_settings(old["settings"]) == dataclasses.asdict(s) and old["seeds"] == chunk:
                 print(f"reusing {path}", flush=True)
                 return old
         if isolate:
@@ -584,7 +589,8 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           f"Setting: byte LM on `{s['source']}`, attention mixers + SwiGLU, d_model {s['d_model']}, "
           f"{s['num_heads']} heads × {s['head_dim']}, d_ff {s['d_ff']}, T = {s['seq_len']}, B = {s['batch_size']}, "
           f"{s['steps']} AdamW steps (× the multiplier for PreNorm ×m rows; peak lr {s['learning_rate']}, {s['warmup_steps']} warmup, cosine), "
-          f"{s['dtype']}; validation = first {s['eval_batches']} batches of the validation split; "
+          f"{s['dtype']}{'; layers scanned (model.scan_layers; article_block unrolled)' if s.get('scan_layers') else ''}; "
+          f"validation = first {s['eval_batches']} batches of the validation split; "
           f"{rows[0]['seeds']} seeds per cell, seed s gives every variant the same init RNG and the same token "
           "order. Mean ± sample std over seeds; Δ = paired (same seed) val-loss difference to prenorm. "
           "N = blocks (block_attnres: sublayer blocks; article_block: layer blocks; full_attnres: N = L). "
@@ -618,8 +624,9 @@ def main(argv):
         else:
             group = run_config_group(Settings(**spec["settings"]), spec["variant"], spec["num_layers"],
                                      spec["seeds"], spec["workdir"], spec.get("token_multiplier", 1.0))
-        with open(spec["out"], "w") as f:
+        with open(spec["out"] + ".tmp", "w") as f:    # atomic: a killed worker leaves no partial result
             json.dump(group, f)
+        os.replace(spec["out"] + ".tmp", spec["out"])
         return
     notes = ""
     if FLAGS.notes_file:

@@ -32,7 +32,8 @@ grep -E "seed=|reusing|Error|error" "$OUT_DIR/sweep.log" | tail -40
 echo "sweep rc=$RC after $(( $(date +%s) - START )) s; $(ls "$OUT_DIR"/results | wc -l) result files"
 if [ "$RC" -eq 0 ]; then
   echo "sweep complete"
-  $PY -m experiments.depth_residuals "${SETTINGS[@]}" --parallel=1 --split_seeds --timing_steps="$TIMING" \
-    --out="$OUT_DIR/$NAME" > "$OUT_DIR/final.log" 2>&1
+  LEFT=$(( BUDGET - $(date +%s) + START ))
+  timeout -k 10 "$(( LEFT > 60 ? LEFT : 60 ))" $PY -m experiments.depth_residuals "${SETTINGS[@]}" --parallel=1 \
+    --split_seeds --timing_steps="$TIMING" --out="$OUT_DIR/$NAME" > "$OUT_DIR/final.log" 2>&1
   echo "final rc=$?"; tail -12 "$OUT_DIR/final.log"
 fi

@@ -1,6 +1,7 @@
 """Experiment scripts whose logic goes past a smoke run: the GPU configs' matching, profile_step's op
 table on the tiny config, depth_residuals' sweep rows, qb_convergence's fixed point, k3_small_gpu's
 equal-token comparison and MFU."""
+import dataclasses
 import json
 import math
 import os
@@ -99,7 +100,8 @@ def test_profile_step_synthetic_documents_are_the_corpus_loaders_batches():
 
 def test_tiny_sweep_writes_one_finite_row_per_variant(tmp_path):
     settings = dr.Settings(d_model=16, num_heads=2, head_dim=8, d_ff=32, seq_len=16, batch_size=2, steps=2,
-                           warmup_steps=1, eval_every=1, eval_batches=1, residual_blocks=8)
+                           warmup_steps=1, eval_every=1, eval_batches=1, residual_blocks=8,
+                           scan_layers=True)  # scanned but article_block: both model paths, with diagnostics
     groups = dr.run_sweep(settings, list(dr.VARIANTS), [1], [0], workdir=str(tmp_path / "runs"), isolate=False)
     out = str(tmp_path / "results" / "depth_residuals")
     doc = dr.write_outputs(groups, out)
@@ -274,6 +276,14 @@ def test_depth_sweep_scan_layers_applies_where_the_variant_has_a_scanned_form(tm
     scanned = {v: dr.run_config(settings, v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS}
     assert scanned == {"prenorm": True, "block_attnres": True, "full_attnres": True, "article_block": False}
     assert not any(dr.run_config(dr.Settings(), v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS)
+    # result files written before the flag existed still merge with (and are reused by) unscanned sweeps
+    old = {k: v for k, v in dataclasses.asdict(dr.Settings()).items() if k != "scan_layers"}
+    new = dataclasses.asdict(dr.Settings())
+    merged = dr.merge_groups([_group("prenorm", [(0, 2.0)], settings=old), _group("prenorm", [(1, 2.1)], settings=new)])
+    assert [r["seed"] for r in merged[0]["runs"]] == [0, 1]
+    with pytest.raises(ValueError, match="different settings"):
+        dr.merge_groups([_group("prenorm", [(0, 2.0)], settings=old),
+                         _group("prenorm", [(1, 2.1)], settings=dataclasses.asdict(dr.Settings(scan_layers=True)))])
 
 
 def test_merge_groups_joins_seeds_and_refuses_conflicts():
