@@ -7,10 +7,11 @@
 # When every run exists, the call runs the timing pass (each variant alone, TIMING steps) and writes the table.
 # Env: PY (python3), OUT_DIR ($OUT), NAME (depth_gpu_L32), WORKDIR (runs/depth_gpu), DEPTHS (32), STEPS (300),
 # SEEDS (0,1,2), PARALLEL (5; 6 on an H200), BUDGET (540 s), TIMING (40), EXTRA (more flags).
-# Plan (2026-12-05, H100, 3 runs sharing the GPU): an unrolled 32-layer run trained in ~380 s, of which its 300
-# steps at ~150 k tokens/s are ~33 s: the rest is mostly compilation. Hence --scan_layers; article_block has no scanned form and still compiles per layer. Call 1: EXTRA=
-# "--variants=prenorm,block_attnres,full_attnres". Call 2: the default variants, which adds article_block, then
-# the timing pass and the table. DEPTHS=24 and NAME=depth_gpu_L24 repeat it at 24 layers.
+# Plan (2026-12-05, H100, 3 runs sharing the GPU): an unrolled 32-layer run took 375-437 s, of which its 300
+# steps are 26-44 s and the train step's compile 131-156 s. Hence --scan_layers (article_block has no scanned
+# form and still compiles per layer). Call 1: EXTRA="--variants=prenorm,block_attnres,full_attnres". Call 2: the
+# default variants (adds article_block), then the timing pass and the table. DEPTHS=24 NAME=depth_gpu_L24 repeats
+# it at 24 layers.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
