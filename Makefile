@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PYTHON312 ?= $(shell for c in python3.12 python3 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do \
   if $$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then command -v $$c; break; fi; done)
 
-.PHONY: train test venv clean
+.PHONY: train test test-full venv clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12 on PATH or under pyenv's versions folder" >&2; exit 1; fi
@@ -26,8 +26,13 @@ venv: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) -m experiments.train $(ARGS)
 
+# CI's command: one case per behaviour (the `full` tier deselected; tests/conftest.py).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist=worksteal -rs --durations=30 tests $(PYTEST_ARGS)
+
+# Every case, the whole interpret-mode kernel matrix and the longest shapes included.
+test-full: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist=worksteal -rs --durations=30 --full-tier tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

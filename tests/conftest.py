@@ -1,9 +1,14 @@
-"""Test setup: 8 fake CPU devices (set before any JAX work), the `gpu` marker, and on a machine without a
-JAX GPU plugin XLA:CPU's LLVM at -O0: the suite is mostly compilation, which this cuts by ~27% (1502 ->
-1092 s on 2 cores). The HLO programs are the same; results can differ in the last bit (at -O3 LLVM
-contracts a * b + c into an FMA), so no test compares bit for bit across jits of different levels
+"""Test setup: 8 fake CPU devices (set before any JAX work), the `gpu` marker, the `full` tier, and on a
+machine without a JAX GPU plugin XLA:CPU's LLVM at -O0: the suite is mostly compilation, which this cuts by
+~27% (1502 -> 1092 s on 2 cores). The HLO programs are the same; results can differ in the last bit (at -O3
+LLVM contracts a * b + c into an FMA), so no test compares bit for bit across jits of different levels
 (tests/kda_testing.RUN_BOUND). Subprocesses and notebook kernels inherit the setting;
-`K3JAX_TEST_XLA_OPT=1` keeps XLA's default."""
+`K3JAX_TEST_XLA_OPT=1` keeps XLA's default.
+
+The `full` tier (see `in_full_tier`) is the rest of the interpret-mode kernel matrix and the longest
+shapes: `make test` (CI) deselects it so the suite fits CI's 20 minutes on 2 cores, keeping one case per
+behaviour, in the way JAX's CI samples its generated cases; `make test-full` (`pytest --full-tier`) and
+any run on a GPU take it too."""
 import os
 import pkgutil
 
@@ -30,6 +35,19 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full-tier", action="store_true", default=False,
+                     help="also run the `full` tier (`make test-full`); on a GPU it always runs")
+
+
+def in_full_tier(item) -> bool:
+    """The `full` marker, or the item's name (`test_x[params]`, or `test_x` for all of its cases) in its
+    class's `full_tier`: the cases beyond one per behaviour, mostly interpret-mode kernel cases."""
+    names = getattr(item.cls, "full_tier", ()) if item.cls is not None else ()
+    return (item.get_closest_marker("full") is not None or item.name in names
+            or getattr(item, "originalname", None) in names)
+
+
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() == "gpu":
         return
@@ -37,3 +55,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+    if not config.getoption("--full-tier"):
+        full = [item for item in items if in_full_tier(item)]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not in_full_tier(item)]

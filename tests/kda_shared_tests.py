@@ -66,16 +66,19 @@ def _fla_case(shape, gate):
 _SLOW_T = 1000
 # (shape, gate, dtype) of test_matches_recurrent_on_fla_shapes: every gate and dtype at fla's shapes with
 # T < 1000; at the five longer ones (each ~25 s of CPU time a case), each shape at least once, each (gate,
-# dtype) pair at least once; the longest shape in both gates at bf16, the training dtype.
-_LONG_FLA_CASES = {(2, 1000, 3, 64): [("softplus", "float32")], (3, 1024, 4, 100): [("bounded", "float32")],
-                   (4, 1024, 4, 128): [("softplus", "bfloat16")], (2, 1500, 4, 128): [("bounded", "bfloat16")],
-                   (4, 2048, 8, 64): [("bounded", "bfloat16"), ("softplus", "bfloat16")]}
+# dtype) pair at least once; the longest shape in both gates at bf16, the training dtype. Of the long
+# cases, CI (`make test`) runs one per gate (True below); the others are in the `full` tier.
+_LONG_FLA_CASES = {(2, 1000, 3, 64): [("softplus", "float32", True)],
+                   (3, 1024, 4, 100): [("bounded", "float32", False)],
+                   (4, 1024, 4, 128): [("softplus", "bfloat16", False)],
+                   (2, 1500, 4, 128): [("bounded", "bfloat16", True)],
+                   (4, 2048, 8, 64): [("bounded", "bfloat16", False), ("softplus", "bfloat16", False)]}
 assert set(_LONG_FLA_CASES) == {s for s in FLA_SHAPES if s[1] >= _SLOW_T}
 FLA_CASES = [pytest.param(s, gate, dtype, id="x".join(map(str, s)) + f"-{gate}-{dtype}",
-                          marks=[pytest.mark.slow] if s[1] >= _SLOW_T else [])
+                          marks=[] if in_ci else [pytest.mark.full])
              for s in FLA_SHAPES
-             for gate, dtype in _LONG_FLA_CASES.get(s, [(g, d) for g in ("bounded", "softplus")
-                                                        for d in ("float32", "bfloat16")])]
+             for gate, dtype, in_ci in _LONG_FLA_CASES.get(s, [(g, d, True) for g in ("bounded", "softplus")
+                                                               for d in ("float32", "bfloat16")])]
 
 
 class KDAImplementationTests:

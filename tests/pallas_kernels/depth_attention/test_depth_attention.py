@@ -170,6 +170,9 @@ class DepthAttentionTests:
 class TestInterpret(DepthAttentionTests):
     interpret = True
     buffer_dtypes = [jnp.float32]
+    # Left to `make test-full`: five sources (one and the tile edges stay), the middle counts and loss scale.
+    full_tier = ("test_sequence_forward_and_grads[5]", "test_buffer_static_and_traced_num_valid[3]",
+                 "test_loss_scales[0.000244140625]")
 
     def test_tile_edges(self):
         """Token tiles of 4 at D = 16 (64-element tiles), two backward programs: 1 token (a tile of 1),

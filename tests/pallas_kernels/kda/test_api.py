@@ -4,9 +4,10 @@
 comparisons with fla's tolerances (bf16: o and final state 0.005, dq/dk/dv/dh0 0.008, dg/dbeta 0.02;
 fp32: FP32_TOLERANCE), including every gradient at loss scales 2^-27 .. 2^20 with gates at the bound,
 and adds the kernels' own: unbounded gates, packed documents through the sequence split, at the
-tile and chunk edges and at every loss scale, a state carried across all chunks. One subclass per backend in interpret mode on CPU (CI):
-`TestTritonInterpret` and `TestMosaicGPUInterpret` (Mosaic GPU interpret mode: bf16, K and V padded to
-64 or 128); `TestTritonGPU` and `TestMosaicGPU` (marker gpu) run compiled on the H200 at K = V = 128
+tile and chunk edges and at every loss scale, a state carried across all chunks. One subclass per
+backend in interpret mode on CPU: `TestTritonInterpret` and `TestMosaicGPUInterpret` (Mosaic GPU
+interpret mode: bf16, K and V padded to 64 or 128), each naming the cases CI leaves to `make test-full`
+(`full_tier`, tests/conftest.py); `TestTritonGPU` and `TestMosaicGPU` (marker gpu) run compiled on the H200 at K = V = 128
 and T up to 8192. `TestSupported` / `TestPlan`: what is refused and why, which kernel runs each
 stage. `TestLowering`: forward and gradient lower for CUDA on a CPU host with a faked H200 (kernel
 names and counts). Per-stage kernel tests: test_stages.py.
@@ -229,6 +230,14 @@ class PallasKDATests(KDAImplementationTests):
 class TestTritonInterpret(PallasKDATests):
     """The portable kernels in interpret mode (CPU)."""
 
+    # Left to `make test-full`: the second fla shape, fp32 loss scales, q covers k, the serial packed
+    # pass (the split one stays), x30 covers x1, the split long memory covers the serial one.
+    full_tier = ("test_matches_recurrent_on_fla_shapes[shape1-float32]",
+                 "test_matches_recurrent_on_fla_shapes[shape1-bfloat16]",
+                 "test_gradients_at_every_loss_scale[float32]", "test_small_inputs_at_the_bound[k]",
+                 "test_segment_ids_match_recurrent[None]", "test_unbounded_gates_match_recurrent[1.0-False-None]",
+                 "test_weak_decay_long_memory[0]", "test_segment_ids_equal_each_document_alone[softplus]")
+
     def test_fp32_under_x64_matches(self):
         # jax_enable_x64 must not change the kernels (typed int32 constants in the index arithmetic).
         x = make_kda_inputs(jax.random.PRNGKey(9), 1, 70, 1, 16)
@@ -262,6 +271,15 @@ class TestMosaicGPUInterpret(PallasKDATests):
     dtypes = ("bfloat16",)
     input_dtype = jnp.bfloat16
     loss_scale_shape = (1, 128, 1, 64)   # one head: the interpreter costs ~2-3x per call with two
+    # Left to `make test-full` (the interpreter takes 2-6 s a call): packed loss scales (Triton's run in
+    # CI) and packed cuts other than the edge cases, the second fla shape, small q and k at the bound
+    # (Triton's in CI), causality (every comparison with the recurrence also checks it), unbounded gates
+    # other than the packed case, the serial long memory.
+    full_tier = ("test_segment_ids_at_every_loss_scale", "test_segment_ids_match_recurrent",
+                 "test_segment_ids_equal_each_document_alone", "test_matches_recurrent_on_fla_shapes[shape1-bfloat16]",
+                 "test_small_inputs_at_the_bound", "test_future_gates_do_not_change_past_outputs",
+                 "test_unbounded_gates_match_recurrent[1.0-False-None]",
+                 "test_unbounded_gates_match_recurrent[30.0-False-None]", "test_weak_decay_long_memory[0]")
 
     def test_explicit_backend_refuses_what_it_cannot_run(self):
         x = make_kda_inputs(jax.random.PRNGKey(3), 1, 64, 1, 32, dtype=jnp.bfloat16)
