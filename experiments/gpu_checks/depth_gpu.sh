@@ -7,11 +7,12 @@
 # When every run exists, the call runs the timing pass (each variant alone, TIMING steps) and writes the table.
 # Env: PY (python3), OUT_DIR ($OUT), NAME (depth_gpu_L32), WORKDIR (runs/depth_gpu), DEPTHS (32), STEPS (300),
 # SEEDS (0,1,2), PARALLEL (5; 6 on an H200), BUDGET (540 s), TIMING (40), EXTRA (more flags).
-# Plan (2026-12-05, H100, 3 runs sharing the GPU): an unrolled 32-layer run took 375-437 s, of which its 300
-# steps are 26-44 s and the train step's compile 131-156 s. Hence --scan_layers (article_block has no scanned
-# form and still compiles per layer). Call 1: EXTRA="--variants=prenorm,block_attnres,full_attnres". Call 2: the
-# default variants (adds article_block), then the timing pass and the table. DEPTHS=24 NAME=depth_gpu_L24 repeats
-# it at 24 layers.
+# Measured (2026-12-05, H100): an unrolled 32-layer run takes 350-440 s, of which its 300 steps are 26-44 s and
+# the train step's compile 131-156 s. --scan_layers compiles once per period but ran every worker out of memory
+# at 5 per card (20.7 GiB prenorm, 30.1 block_attnres, 65 full_attnres: the scan saves its carry per sublayer;
+# unrolled prenorm needs 11.1), so it is not passed. Left at 32 layers: full_attnres and article_block
+# (EXTRA="--variants=full_attnres,article_block" SEEDS=0,1 PARALLEL=6 XLA_PYTHON_CLIENT_MEM_FRACTION=0.155),
+# then DEPTHS=24 NAME=depth_gpu_L24.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -20,7 +21,7 @@ NAME=${NAME:-depth_gpu_L32}; WORKDIR=${WORKDIR:-runs/depth_gpu}; DEPTHS=${DEPTHS
 SEEDS=${SEEDS:-0,1,2}; PARALLEL=${PARALLEL:-5}; BUDGET=${BUDGET:-540}; TIMING=${TIMING:-40}
 SETTINGS=(--depths="$DEPTHS" --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 --seq_len=1024 --batch_size=16
           --steps="$STEPS" --learning_rate=1e-3 --warmup_steps=40 --eval_every=100 --eval_batches=4 --dtype=bfloat16
-          --seeds="$SEEDS" --token_multipliers=1.25,1.5 --scan_layers --workdir="$WORKDIR"
+          --seeds="$SEEDS" --token_multipliers=1.25,1.5 --workdir="$WORKDIR"
           --compilation_cache_dir=/tmp/depth_gpu_cache
           ${EXTRA:-})
 START=$(date +%s)
