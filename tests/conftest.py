@@ -7,8 +7,8 @@ LLVM contracts a * b + c into an FMA), so no test compares bit for bit across ji
 
 The `full` tier (see `in_full_tier`) is the rest of the interpret-mode kernel matrix and the longest
 shapes: `make test` (CI) deselects it so the suite fits CI's 20 minutes on 2 cores, keeping one case per
-behaviour, in the way JAX's CI samples its generated cases; `make test-full` (`pytest --full-tier`) and
-any run on a GPU take it too."""
+behaviour, in the way JAX's CI samples its generated cases; `make test-full` (`pytest --full-tier`) runs
+it. Nothing is deselected on a GPU backend (`pytest -m gpu` there selects the compiled classes)."""
 import os
 import pkgutil
 
@@ -37,26 +37,34 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 def pytest_addoption(parser):
     parser.addoption("--full-tier", action="store_true", default=False,
-                     help="also run the `full` tier (`make test-full`); on a GPU it always runs")
+                     help="also run the `full` tier (`make test-full`)")
 
 
 def in_full_tier(item) -> bool:
     """The `full` marker, or the item's name (`test_x[params]`, or `test_x` for all of its cases) in its
     class's `full_tier`: the cases beyond one per behaviour, mostly interpret-mode kernel cases."""
-    names = getattr(item.cls, "full_tier", ()) if item.cls is not None else ()
+    names = getattr(getattr(item, "cls", None), "full_tier", ())
     return (item.get_closest_marker("full") is not None or item.name in names
             or getattr(item, "originalname", None) in names)
 
 
 def pytest_collection_modifyitems(config, items):
+    """Off a GPU: skip `gpu` items (with the reason) and, without --full-tier, deselect the full tier except
+    tests named by node id on the command line. On a GPU backend nothing is deselected."""
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (runs on the H200 device machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-    if not config.getoption("--full-tier"):
-        full = [item for item in items if in_full_tier(item)]
-        if full:
-            config.hook.pytest_deselected(items=full)
-            items[:] = [item for item in items if not in_full_tier(item)]
+    if config.getoption("--full-tier"):
+        return
+    named = [arg for arg in config.args if "::" in arg]
+
+    def left_out(item):
+        return ("gpu" not in item.keywords and in_full_tier(item)
+                and not any(item.nodeid.startswith(arg) for arg in named))
+    full = [item for item in items if left_out(item)]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not left_out(item)]

@@ -76,7 +76,7 @@ def _depth_kernels_match_xla(implementation, **changes):
             np.testing.assert_allclose(diag1["depth_weights"], diag0["depth_weights"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.full  # the kernels' own interpret tests run in CI; this one on the GPU and in `make test-full`
+@pytest.mark.full  # `make test-full` only (the kernels' interpret tests run in CI; the _gpu test below is compiled)
 def test_depth_kernels_in_the_model_match_xla(monkeypatch):
     """residual.implementation=None takes the Pallas depth kernels (interpret mode, as if on an H200)."""
     import pallas_kernels.depth_attention as pda

@@ -8,8 +8,8 @@ fp32 inputs 2e-5. Both call forms: a sequence of sources (unrolled stacks) and a
 buffer with a static or traced num_valid, also threaded through a `lax.scan` with pass_through as the
 scanned model does. Loss scales 2^-24, 2^-12, 2^16 (bf16, sequence form), saturated softmax, all-zero sources, token counts that
 are not a multiple of the tile, hidden sizes that are not a power of two.
-`TestInterpret` runs the kernel bodies in interpret mode on CPU (CI); `TestGPU` (marker gpu) compiled
-on the H200 at the model's sizes (D 768 and 2048). `TestLowering`: CUDA lowering on a CPU host.
+`TestInterpret` runs the kernel bodies in interpret mode on CPU (CI: all but its `full_tier`); `TestGPU`
+(marker gpu) compiled on the H200 at the model's sizes (D 768 and 2048). `TestLowering`: CUDA lowering on a CPU host.
 """
 from unittest import mock
 
@@ -170,9 +170,10 @@ class DepthAttentionTests:
 class TestInterpret(DepthAttentionTests):
     interpret = True
     buffer_dtypes = [jnp.float32]
-    # Left to `make test-full`: five sources (one and the tile edges stay), the middle counts and loss scale.
-    full_tier = ("test_sequence_forward_and_grads[5]", "test_buffer_static_and_traced_num_valid[3]",
-                 "test_loss_scales[0.000244140625]")
+    # Left to `make test-full`: one source (its weight is 1, its w and gamma gradients 0), one or all five
+    # valid slots (3 both mixes and masks), the middle loss scale.
+    full_tier = ("test_sequence_forward_and_grads[1]", "test_buffer_static_and_traced_num_valid[1]",
+                 "test_buffer_static_and_traced_num_valid[5]", "test_loss_scales[0.000244140625]")
 
     def test_tile_edges(self):
         """Token tiles of 4 at D = 16 (64-element tiles), two backward programs: 1 token (a tile of 1),

@@ -1,6 +1,7 @@
 """The KDA kernel stages one by one: each Mosaic GPU stage against the Triton stage it stands in for.
 
-On the same random inputs of the layouts api.py passes, in interpret mode on CPU (CI): every output
+On the same random inputs of the layouts api.py passes, in interpret mode on CPU (CI runs one size of
+each, the rest are `TestMosaicGPUStages.full_tier`): every output
 within fp32-summation-order rounding of the Triton kernel (same bf16 operand rounding); the
 interpreter's SMEM race detector over each Mosaic GPU kernel; bad input refused; each kernel lowered
 for CUDA. The intra kernels also with packed documents (segments: the Triton kernels' selects) at
