@@ -6,9 +6,9 @@ LLVM contracts a * b + c into an FMA), so no test compares bit for bit across ji
 `K3JAX_TEST_XLA_OPT=1` keeps XLA's default.
 
 The `full` tier (see `in_full_tier`) is the rest of the interpret-mode kernel matrix and the longest
-shapes: `make test` (CI) deselects it so the suite fits CI's 20 minutes on 2 cores, keeping one case per
-behaviour, in the way JAX's CI samples its generated cases; `make test-full` (`pytest --full-tier`) runs
-it. Nothing is deselected on a GPU backend (`pytest -m gpu` there selects the compiled classes)."""
+shapes: `make test` (CI) deselects it to bring the suite toward CI's 20 minutes on 2 cores, keeping one
+case per behaviour, in the way JAX's CI samples its generated cases; `make test-full` (`pytest
+--full-tier`) runs it. Nothing is deselected on a GPU backend (`pytest -m gpu` there selects the compiled classes)."""
 import os
 import pkgutil
 
