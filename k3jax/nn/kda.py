@@ -8,6 +8,7 @@ RMS-normalised per head, gated by sigmoid(low-rank projection of x), and project
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,6 +38,16 @@ def short_causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | 
         run_s = jnp.pad(run, [(0, 0), (s, 0)], constant_values=-1)[:, :T]
         y = y + jnp.where((run_s == run)[..., None], x_s, 0) * weight[W - 1 - s].astype(x.dtype)
     return y
+
+
+# One jit per (kernel, shapes): the KDA layers of an unrolled model share one traced jaxpr forward and
+# backward, so JAX lowers each of jla's Mosaic GPU conv kernels once per model, not 3 per layer.
+@functools.partial(jax.jit, static_argnames=("conv", "head_dim"))
+def _jla_conv(y, weight, segment_ids, *, conv, head_dim: int | None):
+    """`conv` (jla's short_conv, or short_conv_l2norm with `head_dim`) on y [B, T, H·K], weight [H·K, W]."""
+    if head_dim is None:
+        return conv(y, weight, segment_ids=segment_ids)
+    return conv(y, weight, head_dim=head_dim, segment_ids=segment_ids)
 
 
 def _jla_conv_kernels(x: jax.Array, head_dim: int, conv_size: int):
@@ -185,9 +196,9 @@ class KimiDeltaAttention(nnx.Module):
         for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
             y = jnp.dot(x, proj.kernel[...].astype(self.dtype))
             if i < 2:
-                y = short_conv_l2norm.short_conv_l2norm(y, weights[i].T, head_dim=K, segment_ids=segment_ids)
+                y = _jla_conv(y, weights[i].T, segment_ids, conv=short_conv_l2norm.short_conv_l2norm, head_dim=K)
             else:
-                y = short_conv.short_conv(y, weights[i].T, segment_ids=segment_ids)
+                y = _jla_conv(y, weights[i].T, segment_ids, conv=short_conv.short_conv, head_dim=None)
             out.append(y.reshape(B, T, H, K))
         return tuple(out)
 

@@ -7,6 +7,8 @@ Pallas flash attention with segment ids; `supported` says which runs a call and 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -139,22 +141,34 @@ def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: s
     if not ok:
         raise ValueError(f"causal_attention {implementation=} cannot run this call: {why}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     if implementation == "jla":
-        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-        return _jla_attention().flash_attention(q, k, v, segment_ids=seg, scale=float(scale))
+        return _jla_flash(q, k, v, seg, kernel=_jla_attention().flash_attention, scale=float(scale))
     if implementation == "pallas_triton":
-        from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
-        T = q.shape[1]
-        blocks = pallas_attention.BlockSizes(block_q=min(_FLASH_BLOCK, T), block_k=min(_FLASH_BLOCK, T),
-                                             block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
-        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-        return pallas_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=blocks,
-                                    interpret=interpret)
+        return _pallas_triton_flash(q, k, v, seg, scale=float(scale), interpret=interpret)
     backend = implementation  # "xla" or "cudnn"
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=backend)
     mask = segment_causal_mask(segment_ids, segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=backend)
+
+
+# One jit per (kernel, shapes): the attention layers of an unrolled model share one traced jaxpr forward
+# and backward, so JAX lowers each kernel once per model, not once per layer (jla's Mosaic GPU kernels:
+# ~1.4 s each on a CPU host; experiments/results/lowering_cpu.md).
+@functools.partial(jax.jit, static_argnames=("kernel", "scale"))
+def _jla_flash(q, k, v, segment_ids, *, kernel, scale: float):
+    return kernel(q, k, v, segment_ids=segment_ids, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _pallas_triton_flash(q, k, v, segment_ids, *, scale: float, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
+    T = q.shape[1]
+    blocks = pallas_attention.BlockSizes(block_q=min(_FLASH_BLOCK, T), block_k=min(_FLASH_BLOCK, T),
+                                         block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+    return pallas_attention.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks,
+                                interpret=interpret)
 
 
 def rope(x, positions, *, theta=10000.0):

@@ -221,8 +221,15 @@ def _jla(lhs, rhs, group_sizes, preferred_element_type, full_groups=False):
     if _varying(lhs) or _varying(rhs):
         out = _jla_marked(lhs, rhs, group_sizes, bool(full_groups))
     else:
-        out = _jla_module().ragged_dot(lhs, rhs, group_sizes, full_groups=bool(full_groups))
+        out = _jla_ragged_dot(lhs, rhs, group_sizes, kernel=_jla_module().ragged_dot, full_groups=bool(full_groups))
     return out.astype(preferred_element_type)
+
+
+# One jit per (kernel, shapes): the MoE layers of an unrolled model share one traced jaxpr forward and
+# backward, so JAX lowers jla's Mosaic GPU kernels once per model, not once per layer.
+@functools.partial(jax.jit, static_argnames=("kernel", "full_groups"))
+def _jla_ragged_dot(lhs, rhs, group_sizes, *, kernel, full_groups: bool):
+    return kernel(lhs, rhs, group_sizes, full_groups=full_groups)
 
 
 def _jla_supported(lhs, rhs, group_sizes, preferred_element_type) -> tuple[bool, str]:

@@ -86,6 +86,10 @@ def _mix_buffer_bwd(static_valid, eps, tuning, interpret, res, cts):
 
 
 _mix_buffer.defvjp(_mix_buffer_fwd, _mix_buffer_bwd)
+# One jit per (source count, shapes): the depth mixes of an unrolled model that read as many sources share
+# one traced jaxpr forward and backward, so JAX lowers each kernel once per source count, not once per mix.
+_mix_list_jit = jax.jit(_mix_list, static_argnums=(0, 1, 2))
+_mix_buffer_jit = jax.jit(_mix_buffer, static_argnums=(0, 1, 2, 3))
 
 
 def depth_attention_pallas(sources, query, *, eps: float = 1e-6, num_valid=None, pass_through: bool = False,
@@ -138,7 +142,7 @@ def depth_attention_pallas(sources, query, *, eps: float = 1e-6, num_valid=None,
     num_tokens = math.prod(shape[:-1])
     if not buffer:
         flat = tuple(s.reshape(num_tokens, d) for s in sources)
-        out, weights = _mix_list(float(eps), tuning, interpret, flat, query)
+        out, weights = _mix_list_jit(float(eps), tuning, interpret, flat, query)
         return out.reshape(shape), weights.reshape(num_slots, *shape[:-1])
     static = None
     if num_valid is None:
@@ -148,7 +152,7 @@ def depth_attention_pallas(sources, query, *, eps: float = 1e-6, num_valid=None,
             raise ValueError(f"num_valid must be in [1, S] = [1, {num_slots}]; got {num_valid=}")
         static = num_valid
     n = jnp.reshape(jnp.asarray(num_valid if static is None else static, jnp.int32), (1,))
-    out, weights, buf = _mix_buffer(static, float(eps), tuning, interpret, sources.reshape(num_slots, num_tokens, d),
-                                    query, n)
+    out, weights, buf = _mix_buffer_jit(static, float(eps), tuning, interpret,
+                                        sources.reshape(num_slots, num_tokens, d), query, n)
     result = (out.reshape(shape), weights.reshape(num_slots, *shape[:-1]))
     return result + (buf.reshape(sources.shape),) if pass_through else result

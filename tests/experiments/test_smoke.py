@@ -53,7 +53,8 @@ SCRIPTS = {
     "bench_moe_per_op": ("bench_moe", ["--study=per_op", "--gemm_shape=tiny", "--per_op_impl=xla", "--torch=false",
                                        "--iters=1", "--warmup=0", "--stream_calls=2", "--stream_reps=1",
                                        "--out={out}/ops"], ["ops.json", "ops.md"]),
-    "lowering_time": ("lowering_time", ["--shapes=tiny", "--rows=k3_default", "--out={out}/lt"], ["lt.json", "lt.md"]),
+    "lowering_time": ("lowering_time", ["--shapes=tiny", "--rows=k3_default", "--depth_layers=1", "--out={out}/lt"],
+                      ["lt.json", "lt.md"]),
     "profile_step_layers": ("profile_step", ["--layers", *TINY_LM, "--timed=1", "--warmup=0", "--out={out}/layers"],
                             ["layers.json", "layers.md"]),
     "quantile_threshold_study": ("quantile_threshold_study", ["synthetic"], []),  # prints its rows only

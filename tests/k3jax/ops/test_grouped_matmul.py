@@ -95,11 +95,16 @@ def _install_fake_jla(monkeypatch, calls, *, supports=True):
     """jla 0.1.0's public ragged_dot module as XLA stand-ins: ``ragged_dot(lhs, rhs, gs, *, full_groups,
     config)`` with its own VJP (d_lhs by the transposed-rhs GEMM, d_rhs by ``transposed_ragged_dot``),
     bf16 outputs, and, like the kernels, rows past sum(gs) left unwritten (stale: 7.0) when
-    ``full_groups`` (else zeroed). ``calls`` records ("fwd" | "d_lhs", full_groups) and ("d_rhs",)."""
+    ``full_groups`` (else zeroed). ``calls`` records ("fwd" | "d_lhs", full_groups) and ("d_rhs",), once per
+    distinct GEMM (operand shapes): under jit a kernel is traced twice, for the jit's jaxpr and by the VJP's
+    forward rule."""
     leaf = types.ModuleType("jla.ops.mosaic_gpu.ragged_dot")
+    seen = set()
 
     def gemm(tag, lhs, rhs, gs, full_groups):
-        calls.append((tag, full_groups))
+        if (tag, full_groups, lhs.shape, rhs.shape) not in seen:
+            seen.add((tag, full_groups, lhs.shape, rhs.shape))
+            calls.append((tag, full_groups))
         out = jax.lax.ragged_dot(lhs, rhs, gs).astype(lhs.dtype)
         tail = jnp.arange(out.shape[0])[:, None] >= jnp.sum(gs)
         return jnp.where(tail, 7.0 if full_groups else 0.0, out).astype(out.dtype)

@@ -252,3 +252,23 @@ class TestLowering:
         for text in texts:
             assert text.count("depth_attention_fwd") >= 1 and text.count("depth_attention_bwd") >= 1
         assert "output_operand_alias" in texts[0]
+
+    def test_mixes_with_equal_source_counts_share_one_lowering(self):
+        # Two mixes of three sources each (two sublayers of one block), differentiated: each kernel is
+        # lowered once (one jit per source count; an unrolled 32-layer model lowered 130 kernels, not ~18).
+        src = jax.ShapeDtypeStruct((3, 2, 256, 768), jnp.bfloat16)
+        q = jax.ShapeDtypeStruct((768,), jnp.float32)
+
+        def mix(buf, q):
+            return depth_attention_pallas((buf[0], buf[1], buf[2]), q)[0]
+
+        def twice(buf, q):
+            return mix(jnp.stack([mix(buf, q), buf[1], buf[2]]), q)
+
+        def loss(f):  # the value too, so that neither mix is dead code
+            return jax.value_and_grad(lambda buf, q: jnp.sum(f(buf, q).astype(jnp.float32)), argnums=(0, 1))
+        with fake_h200(True):
+            one, two = (jax.jit(loss(f)).trace(src, q).lower(lowering_platforms=("cuda",)).as_text()
+                        for f in (mix, twice))
+        calls = [t.count("__gpu$xla.gpu.triton") for t in (one, two)]
+        assert calls[0] == calls[1] >= 2, calls
