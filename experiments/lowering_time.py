@@ -150,7 +150,7 @@ def main(argv):
           + (f"--depth_layers={','.join(FLAGS.depth_layers)} " if FLAGS.depth_layers else "")
           + f"--reps={FLAGS.reps}` at {commit or '?'}: seconds on this host (median of {FLAGS.reps}); XLA's backend "
           "compile is not included (bench_train's backend_compile_s).", ""]
-    md += markdown_table(["shape", "row", "layers", "trace s", "lower s", "Mosaic GPU calls", "Triton calls",
+    md += markdown_table(["shape", "row", "layers", "trace s", "lower s", "Mosaic GPU lowerings", "Triton lowerings",
                           "module MB"],
                          [[r["shape"], r["row"], "scanned" if r["scan_layers"] else "unrolled", f"{r['trace_s']:.1f}",
                            f"{r['lower_s']:.1f}", r["mosaic_gpu_calls"], r["triton_calls"], f"{r['module_mb']:.1f}"]

@@ -141,10 +141,10 @@ def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: s
     if not ok:
         raise ValueError(f"causal_attention {implementation=} cannot run this call: {why}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    if implementation == "jla":
-        return _jla_flash(q, k, v, seg, kernel=_jla_attention().flash_attention, scale=float(scale))
-    if implementation == "pallas_triton":
+    if implementation in ("jla", "pallas_triton"):
+        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        if implementation == "jla":
+            return _jla_flash(q, k, v, seg, kernel=_jla_attention().flash_attention, scale=float(scale))
         return _pallas_triton_flash(q, k, v, seg, scale=float(scale), interpret=interpret)
     backend = implementation  # "xla" or "cudnn"
     if segment_ids is None:
@@ -155,7 +155,7 @@ def causal_attention(q, k, v, *, segment_ids=None, scale=None, implementation: s
 
 # One jit per (kernel, shapes): the attention layers of an unrolled model share one traced jaxpr forward
 # and backward, so JAX lowers each kernel once per model, not once per layer (jla's Mosaic GPU kernels:
-# ~1.4 s each on a CPU host; experiments/results/lowering_cpu.md).
+# ~0.6-1 s each on a CPU host; experiments/results/lowering_cpu.md).
 @functools.partial(jax.jit, static_argnames=("kernel", "scale"))
 def _jla_flash(q, k, v, segment_ids, *, kernel, scale: float):
     return kernel(q, k, v, segment_ids=segment_ids, scale=scale)

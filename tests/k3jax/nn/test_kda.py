@@ -200,3 +200,18 @@ def test_hopper_jla_conv_kernels_match_the_xla_path():
     for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(got[1][0])),
                                  jax.tree_util.tree_leaves_with_path(nnx.state(want[1][0]))):
         assert rel(a, b) < 0.02, path
+
+
+def test_jla_conv_kernels_are_shared_by_the_layers(monkeypatch):
+    """The layers' q, k and v convs call jla's two kernels (conv + L2 norm, conv) through one traced jit each,
+    which JAX lowers once per model, not 3 times per layer (stand-ins for the kernels)."""
+    from tests.jaxpr_testing import jit_calls, shared
+    _install_jla_conv_stand_ins(monkeypatch)
+    layers = [KimiDeltaAttention(D, H, K, chunk_size=16, conv_implementation="jla", dtype=jnp.float32,
+                                 rngs=nnx.Rngs(i)) for i in range(2)]
+    seg, pos = jnp.zeros((B, T), jnp.int32), jnp.tile(jnp.arange(T), (B, 1))
+
+    def two_layers(x):
+        return layers[1](layers[0](x, segment_ids=seg, positions=pos), segment_ids=seg, positions=pos)
+    calls = jit_calls(jax.make_jaxpr(two_layers)(_x(5)), "_jla_conv")
+    assert len(calls) == 6 and shared(calls) == 2

@@ -165,8 +165,7 @@ def test_dispatch_and_errors():
 
 def test_attention_layers_share_one_kernel_lowering():
     # Two attention layers on the same shapes, differentiated: jax's Pallas Triton flash kernels are lowered
-    # once (one jit per implementation and shapes; jla's Mosaic GPU kernels go through the same jit, and an
-    # unrolled 8-layer model lowered 24 of them, ~1.4 s each on a CPU host, before).
+    # once (one jit per kernel and shapes; experiments/results/lowering_cpu.md).
     from unittest import mock
 
     from tests.pallas_kernels.kda.test_api import fake_h200
@@ -182,3 +181,25 @@ def test_attention_layers_share_one_kernel_lowering():
                     for f in (layer, lambda x: layer(layer(x))))
     calls = [t.count("__gpu$xla.gpu.triton") for t in (one, two)]
     assert calls[0] == calls[1] >= 2, calls
+
+
+def test_jla_attention_layers_share_one_traced_kernel(monkeypatch):
+    # jla's kernels go through their own jit (`_jla_flash`): two layers on the same shapes call one traced
+    # function, lowered once (the 32-layer depth model lowered 96 of jla's Mosaic GPU kernels before, 3 after:
+    # experiments/results/lowering_cpu.md). A stand-in module plays jla's flash attention.
+    import types
+
+    from tests.jaxpr_testing import jit_calls, shared
+    stand_in = types.SimpleNamespace(
+        supported=lambda q, k, v: None,
+        flash_attention=lambda q, k, v, *, segment_ids, scale: _reference(q, k, v, segment_ids).astype(q.dtype))
+    monkeypatch.setattr(A, "_jla_attention", lambda: stand_in)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q = jnp.ones((2, 128, 2, 64), jnp.bfloat16)
+    seg = jnp.zeros((2, 128), jnp.int32)
+
+    def two_layers(x):
+        return A.causal_attention(A.causal_attention(x, x, x, segment_ids=seg, implementation="jla"), x, x,
+                                  segment_ids=seg, implementation="jla")
+    calls = jit_calls(jax.make_jaxpr(two_layers)(q), "_jla_flash")
+    assert len(calls) == 2 and shared(calls) == 1

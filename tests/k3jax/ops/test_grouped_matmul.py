@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import grouped_matmul as G
 from k3jax.ops import token_dispatch as T
+from tests.jaxpr_testing import jit_calls, shared
 
 
 @pytest.mark.parametrize("implementation", ["xla", "blocked", None])
@@ -350,9 +351,24 @@ def test_dropless_moe_through_jla_promises_full_groups_and_matches_xla(monkeypat
 
     (v, g), (v_x, g_x) = run("jla"), run("xla")
     assert [c for c in calls if c[0] == "fwd"] == [("fwd", True)] * 2
+    program = jax.make_jaxpr(lambda x, *ws: T.dropless_moe(x, ids, w, *ws, implementation="jla"))(x, *ws)
+    assert len(jit_calls(program, "_jla_ragged_dot")) == 2  # two forward GEMMs, each one call
     assert abs(float(v) - float(v_x)) < 1e-2 * abs(float(v_x))
     for a, b in zip(g, g_x):
         assert _rel(a, b) < 2e-2
+
+
+def test_jla_layers_share_one_traced_gemm(monkeypatch):
+    """Two MoE layers of one shape call jla's kernel through one traced jit (one lowering per model, not
+    per layer: 48 of K3-small's 58 Mosaic GPU lowerings before, experiments/results/lowering_cpu.md)."""
+    _fake_jla(monkeypatch)
+    x, ws, ids, w = _moe_inputs(64, 2, 128, 128, 4)
+
+    def two_layers(x, *ws):
+        y = T.dropless_moe(x, ids, w, *ws, implementation="jla").astype(x.dtype)
+        return T.dropless_moe(y, ids, w, *ws, implementation="jla")
+    calls = jit_calls(jax.make_jaxpr(two_layers)(x, *ws), "_jla_ragged_dot")
+    assert len(calls) == 4 and shared(calls) == 2  # gate+up and down, each shared by both layers
 
 
 def test_jla_under_shard_map_marks_cotangents_and_matches_xla(monkeypatch):
