@@ -180,6 +180,7 @@ def _on_hopper_with_jla() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper_with_jla(), reason="jla's Mosaic GPU conv kernels need an sm_90 GPU and jla")
 def test_hopper_jla_conv_kernels_match_the_xla_path():
     """The real kernels (bf16, K = 128 heads) against the XLA conv + op L2 norm: output and every gradient

@@ -71,14 +71,14 @@ def test_matches_the_fp32_softmax(implementation, dtype, segments, cotangent_sca
     _check(implementation, 2, 128, 2, 32, dtype, segments, cotangent_scale)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="K3-small attention shape, compiled on a GPU")
+@pytest.mark.gpu  # K3-small attention shape, compiled on a GPU
 @pytest.mark.parametrize("implementation", ["pallas_triton", "cudnn", "jla"])
 @pytest.mark.parametrize("segments", [False, True])
 def test_gpu_training_shape_matches_the_fp32_softmax(implementation, segments):
     _check(implementation, 2, 2048, 2, 128, jnp.bfloat16, segments, 1.0 / (2 * 2048))
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled on a GPU")
+@pytest.mark.gpu
 def test_gpu_jla_unsorted_and_repeated_document_ids():
     """jla skips key blocks from the runs of equal ids; ids that recur later in a row (no block may be
     skipped) and unsorted corpus ids must still give the exact document mask."""
@@ -96,7 +96,7 @@ def test_gpu_jla_unsorted_and_repeated_document_ids():
         assert np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)) < 2e-2, name
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled on a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("cotangent_scale", [1.0, 1.0 / (2 * 200)])
 def test_gpu_jla_head_dim_64_padded_length_and_one_token_documents(cotangent_scale):
     """jla at Dh 64 with T = 200 (padded to 256 inside jla), documents of one token and random cuts."""
