@@ -35,8 +35,8 @@ def _define_flags():
     flags.DEFINE_enum("scan_layers", "default", ["default", "true", "false"],
                       "Scan the layers (remat full) or not; default: as bench_train at the shape.")
     flags.DEFINE_list("depth_layers", [], "Also the depth sweep's model (experiments/gpu_checks/depth_gpu.sh: "
-                      "d 512, attention + SwiGLU, 16 x 1024 tokens, unrolled) at these layer counts, PreNorm and "
-                      "Block AttnRes (8 blocks).")
+                      "d 512, attention + SwiGLU, 16 x 1024 tokens, unrolled) at these layer counts, PreNorm, "
+                      "Block AttnRes (8 blocks) and Full AttnRes.")
     flags.DEFINE_integer("reps", 1, "Trace + lower repetitions per row (median).", lower_bound=1)
     flags.DEFINE_string("out", "/tmp/k3jax_lowering_time/lowering", "Output prefix (.json/.md).")
 
@@ -140,7 +140,7 @@ def main(argv):
             rows.append(lower_row(shape, row, scan_layers=scan, reps=FLAGS.reps))
             print({k: v for k, v in rows[-1].items() if not k.endswith("_all")}, flush=True)
     for num_layers in (int(x) for x in FLAGS.depth_layers):
-        for variant in ("prenorm", "block_attnres"):
+        for variant in ("prenorm", "block_attnres", "full_attnres"):
             rows.append(lower_depth_row(variant, num_layers, reps=FLAGS.reps))
             print({k: v for k, v in rows[-1].items() if not k.endswith("_all")}, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
