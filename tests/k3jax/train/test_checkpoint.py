@@ -1,6 +1,7 @@
 """Checkpoint fallback (issue 23): a damaged newest checkpoint is moved aside to `<step>.corrupt`, the
 run resumes from the newest readable one and says so in one line; none readable -> ValueError naming
 the folder; a checkpoint of another config is no damage (ValueError, nothing moved)."""
+import gc
 import glob
 import logging
 import os
@@ -73,6 +74,11 @@ def _damage(step_dir, how):
     raise AssertionError(how)
 
 
+# orbax stops reading a damaged checkpoint at its first failed shard; the other shard reads' coroutines are
+# closed later and report that as an ignored exception (orbax's cleanup; the asserts below check our behaviour).
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+    ":pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["array", "metadata", "data"])
 def test_damaged_newest_checkpoint_falls_back_moves_it_aside_and_says_so(workdir, pristine, how, caplog):
     _, next_inputs = pristine
@@ -82,6 +88,7 @@ def test_damaged_newest_checkpoint_falls_back_moves_it_aside_and_says_so(workdir
     ck = Checkpointer(str(workdir), keep=5)
     with caplog.at_level(logging.WARNING, logger="k3jax"):
         meta = ck.restore_latest(model, opt, it)
+    gc.collect()  # orbax's closed shard reads report now, under the filter above, not at interpreter exit
     assert meta == {"step": 40, "seed": 0}
     assert _marker(model) == 40.0  # step 40's parameters, not 60's, not the fresh init
     np.testing.assert_array_equal(next(it)["inputs"], next_inputs[40])  # step 40's data position
