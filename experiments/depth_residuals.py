@@ -88,6 +88,9 @@ def _define_flags():
                       "variant but article_block, which has no scanned form and stays unrolled. Costs memory: at 32 "
                       "layers, d 512 the step needed 20.7 GiB (prenorm; 11.1 unrolled), 30.1 (block_attnres), "
                       "> 65 (full_attnres) (results/depth_gpu_L32_h100.md).")
+    flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+                      "model.remat of the scanned layers (needs --scan_layers; article_block stays unrolled without "
+                      "it). 'full' keeps one source buffer per layer: Full AttnRes at 32 layers, d 512 fits an H100.")
     flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
     flags.DEFINE_string("out", "/tmp/k3jax_depth_residuals/depth_residuals", "Output prefix (.json/.md/_*.png); "
                         "the committed result is --out=experiments/results/depth_residuals.")
@@ -130,6 +133,7 @@ class Settings:
     dtype: str = "float32"
     source: str = "python-stdlib"
     scan_layers: bool = False   # model.scan_layers where the variant supports it (not article_block)
+    remat: str = "none"         # model.remat of the scanned layers (only with scan_layers)
 
 
 def residual_blocks_for(variant: str, num_layers: int, requested: int) -> int:
@@ -152,6 +156,7 @@ def run_config(settings: Settings, variant: str, num_layers: int, seed: int, wor
     model = ModelConfig(d_model=s.d_model, num_layers=num_layers, num_heads=s.num_heads, head_dim=s.head_dim,
                         d_ff=s.d_ff, mixer_pattern="A", ffn="mlp", dtype=s.dtype,
                         scan_layers=s.scan_layers and variant in SCAN_RESIDUALS,
+                        remat=s.remat if s.scan_layers and variant in SCAN_RESIDUALS else "none",
                         residual=ResidualConfig(kind=variant, block_unit="sublayers", blocks=max(
                             1, residual_blocks_for(variant, num_layers, s.residual_blocks))))
     data = DataConfig(source=s.source, seq_len=s.seq_len, batch_size=s.batch_size)
@@ -591,7 +596,8 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           f"Setting: byte LM on `{s['source']}`, attention mixers + SwiGLU, d_model {s['d_model']}, "
           f"{s['num_heads']} heads × {s['head_dim']}, d_ff {s['d_ff']}, T = {s['seq_len']}, B = {s['batch_size']}, "
           f"{s['steps']} AdamW steps (× the multiplier for PreNorm ×m rows; peak lr {s['learning_rate']}, {s['warmup_steps']} warmup, cosine), "
-          f"{s['dtype']}{'; layers scanned (model.scan_layers; article_block unrolled)' if s.get('scan_layers') else ''}; "
+          f"{s['dtype']}{'; layers scanned (model.scan_layers; article_block unrolled)' if s.get('scan_layers') else ''}"
+          f"{'; remat ' + s['remat'] if s.get('remat', 'none') != 'none' else ''}; "
           f"validation = first {s['eval_batches']} batches of the validation split; "
           f"{rows[0]['seeds']} seeds per cell, seed s gives every variant the same init RNG and the same token "
           "order. Mean ± sample std over seeds; Δ = paired (same seed) val-loss difference to prenorm. "
@@ -657,7 +663,10 @@ def main(argv):
                         d_ff=FLAGS.d_ff, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
                         learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                         eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
-                        residual_blocks=FLAGS.residual_blocks, dtype=FLAGS.dtype, scan_layers=FLAGS.scan_layers)
+                        residual_blocks=FLAGS.residual_blocks, dtype=FLAGS.dtype, scan_layers=FLAGS.scan_layers,
+                        remat=FLAGS.remat)
+    if FLAGS.remat != "none" and not FLAGS.scan_layers:
+        raise ValueError(f"--remat={FLAGS.remat} needs --scan_layers (it applies to the scanned layers)")
     depths = [int(d) for d in FLAGS.depths]
     seeds = [int(s) for s in FLAGS.seeds]
     start = time.time()

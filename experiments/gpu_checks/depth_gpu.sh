@@ -12,8 +12,9 @@
 # at 5 per card (20.7 GiB prenorm, 30.1 block_attnres, 65 full_attnres: the scan saves its carry per sublayer;
 # unrolled prenorm needs 11.1), so it is not passed. article_block (2 seeds, 4 runs per card) took 160 s each. Left
 # at 32 layers: full_attnres, which did not finish inside 555 s at 4 runs per card (compile > 2 min), so give it
-# a call of its own (EXTRA="--variants=full_attnres --token_multipliers=" SEEDS=0,1 PARALLEL=2
-# XLA_PYTHON_CLIENT_MEM_FRACTION=0.45); then DEPTHS=24 NAME=depth_gpu_L24.
+# a call of its own; unrolled it did not log step 10 in 540 s even alone, so scan it with remat full (one source
+# buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
+# SEEDS=0,1,2 PARALLEL=2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; then DEPTHS=24 NAME=depth_gpu_L24.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}

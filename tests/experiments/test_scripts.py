@@ -276,8 +276,11 @@ def test_depth_sweep_scan_layers_applies_where_the_variant_has_a_scanned_form(tm
     scanned = {v: dr.run_config(settings, v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS}
     assert scanned == {"prenorm": True, "block_attnres": True, "full_attnres": True, "article_block": False}
     assert not any(dr.run_config(dr.Settings(), v, 4, 0, str(tmp_path)).model.scan_layers for v in dr.VARIANTS)
+    remat = {v: dr.run_config(dr.Settings(scan_layers=True, remat="full"), v, 4, 0, str(tmp_path)).model.remat
+             for v in dr.VARIANTS}  # the unrolled article_block cannot take a remat policy (ModelConfig refuses it)
+    assert remat == {"prenorm": "full", "block_attnres": "full", "full_attnres": "full", "article_block": "none"}
     # result files written before the flag existed still merge with (and are reused by) unscanned sweeps
-    old = {k: v for k, v in dataclasses.asdict(dr.Settings()).items() if k != "scan_layers"}
+    old = {k: v for k, v in dataclasses.asdict(dr.Settings()).items() if k not in ("scan_layers", "remat")}
     new = dataclasses.asdict(dr.Settings())
     merged = dr.merge_groups([_group("prenorm", [(0, 2.0)], settings=old), _group("prenorm", [(1, 2.1)], settings=new)])
     assert [r["seed"] for r in merged[0]["runs"]] == [0, 1]
