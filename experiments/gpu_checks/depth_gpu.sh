@@ -10,11 +10,11 @@
 # Measured (2026-12-05, H100): an unrolled 32-layer run takes 350-440 s, of which its 300 steps are 26-44 s and
 # the train step's compile 131-156 s. --scan_layers compiles once per period but ran every worker out of memory
 # at 5 per card (20.7 GiB prenorm, 30.1 block_attnres, 65 full_attnres: the scan saves its carry per sublayer;
-# unrolled prenorm needs 11.1), so it is not passed. article_block (2 seeds, 4 runs per card) took 160 s each. Left
-# at 32 layers: full_attnres, which did not finish inside 555 s at 4 runs per card (compile > 2 min), so give it
-# a call of its own; unrolled it did not log step 10 in 540 s even alone, so scan it with remat full (one source
+# unrolled prenorm needs 11.1), so it is not passed. article_block (2 seeds, 4 runs per card) took 160 s each.
+# full_attnres unrolled did not log step 10 in 540 s, even alone; it ran scanned with remat full (one source
 # buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
-# SEEDS=0,1,2 PARALLEL=2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; then DEPTHS=24 NAME=depth_gpu_L24.
+# SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB, so one run per card;
+# ~276 s a run, two calls for three seeds). Then DEPTHS=24 NAME=depth_gpu_L24.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
