@@ -18,6 +18,25 @@ from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.config import TrainConfig
 from k3jax.train.optimizer import make_optimizer
 
+# orbax stops reading a damaged checkpoint at its first failed shard; the other shard reads' coroutines are
+# closed later and report that as an ignored exception, and TensorStore's late callbacks find asyncio's loop
+# closed (orbax's cleanup; the asserts check our behaviour). Every test here that reads a damaged checkpoint
+# can leave them: the filters cover the module and the fixture below collects them after each test, so none
+# reports inside a later test of another module.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+                               ":pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore:(?s)Exception ignored in. None.*Event loop is closed"
+                               ":pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _collect_orbax_shard_reads():
+    yield
+    gc.collect()
+
+
 STEPS = (20, 40, 60)
 TINY = dict(d_model=32, num_layers=1, num_heads=2, head_dim=16, d_ff=64)
 
@@ -74,11 +93,6 @@ def _damage(step_dir, how):
     raise AssertionError(how)
 
 
-# orbax stops reading a damaged checkpoint at its first failed shard; the other shard reads' coroutines are
-# closed later and report that as an ignored exception (orbax's cleanup; the asserts below check our behaviour).
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
-    ":pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["array", "metadata", "data"])
 def test_damaged_newest_checkpoint_falls_back_moves_it_aside_and_says_so(workdir, pristine, how, caplog):
     _, next_inputs = pristine
@@ -88,7 +102,6 @@ def test_damaged_newest_checkpoint_falls_back_moves_it_aside_and_says_so(workdir
     ck = Checkpointer(str(workdir), keep=5)
     with caplog.at_level(logging.WARNING, logger="k3jax"):
         meta = ck.restore_latest(model, opt, it)
-    gc.collect()  # orbax's closed shard reads report now, under the filter above, not at interpreter exit
     assert meta == {"step": 40, "seed": 0}
     assert _marker(model) == 40.0  # step 40's parameters, not 60's, not the fresh init
     np.testing.assert_array_equal(next(it)["inputs"], next_inputs[40])  # step 40's data position
