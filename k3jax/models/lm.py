@@ -147,7 +147,9 @@ class LanguageModel(nnx.Module):
         mix reads the first `num_sources[l]` slots (`BlockLayout.scan_inputs`; the buffer is threaded
         through `depth_attention_carry`, so the Pallas backward updates its cotangent in place). Returns what
         `_run_stack` returns (depth weights padded to N + 1 sources are cut to each mix's count) and the
-        MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body. Each sublayer's
+        MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body; with AttnRes and remat
+        "full" the scan is `residual_ops.scan_source_buffer`, which keeps one source buffer for the backward
+        pass instead of one per period. Each sublayer's
         input is reduced to a finiteness flag inside the body (`sublayer_finite`); the inputs themselves are
         stacked out of the scan only with `keep_inputs` (diagnostics).
         """
@@ -214,10 +216,13 @@ class LanguageModel(nnx.Module):
             return carry, {"inputs": jnp.stack(inputs) if keep_inputs else None, "finite": jnp.stack(finite),
                            "weights": jnp.stack(weights) if weights else None, "aux": aux if cfg.ffn == "moe" else None}
 
-        if cfg.remat != "none":
-            policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        carry, ys = jax.lax.scan(body, carry, xs)
+        if attnres and cfg.remat == "full":  # one source buffer kept for the backward, not one per period
+            carry, ys = residual_ops.scan_source_buffer(body, carry, xs, per_period(scan_in["slot"])[:, 0])
+        else:
+            if cfg.remat != "none":
+                policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            carry, ys = jax.lax.scan(body, carry, xs)
         num_sublayers = cfg.num_sublayers
         unstack = lambda a: [a[l // (2 * period), l % (2 * period)] for l in range(num_sublayers)]  # noqa: E731
         inputs = tuple(unstack(ys["inputs"])) if keep_inputs else ()

@@ -39,6 +39,7 @@ source once / twice; implementation=None picks it on an H100/H200, compiled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -201,6 +202,117 @@ def _add_to_slot_bwd(res, g):
 
 
 add_to_slot.defvjp(_add_to_slot_fwd, _add_to_slot_bwd)
+
+
+def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[Array, object]:
+    """`jax.lax.scan(jax.checkpoint(body), buffer, xs)` over a source buffer that only grows, keeping ONE
+    buffer for the backward pass instead of one per step.
+
+    A scan saves its carry at every step for the backward pass: with Block AttnRes's buffer
+    `[N + 1, B, T, D]` carried over G steps that is G buffers (Full AttnRes at 32 layers, d 512, B·T 16k:
+    32 GiB of the step's 39.6 on an H100, `experiments/results/depth_gpu_L32_h100.md`). Here the forward
+    keeps the final buffer, the first one, and per step the one slot that step starts adding to; the
+    backward rebuilds step g's buffer exactly from them and recomputes the step (as remat "full" does):
+    slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved partial sum, the
+    slots above it still hold `buffer`'s.
+
+    Args:
+      body: `(buffer [S, ...], x) -> (buffer, y)`, one step. It may add to slots `first_slot[g]` and
+        above only (in the model: `add_to_slot` at the step's block ids). It may close over arrays
+        (converted with `jax.closure_convert`; integer ones get no gradient).
+      buffer: the initial buffer `[S, ...]` (any float dtype).
+      xs: the scanned inputs, a pytree of arrays with leading axis G.
+      first_slot: `[G]` ints, non-decreasing (a NumPy array or a sequence; static): the lowest slot
+        step g adds to.
+
+    Returns:
+      `(final buffer, ys)` as `jax.lax.scan` returns them; the same values and gradients as
+      `jax.lax.scan(jax.checkpoint(body), buffer, xs)` (`tests/k3jax/ops/test_residuals.py`).
+
+    Raises:
+      ValueError: `first_slot` not 1-D of length G, decreasing, or outside `[0, S)`.
+    """
+    first_slot = np.asarray(first_slot)
+    steps = jax.tree.leaves(xs)[0].shape[0]
+    if first_slot.ndim != 1 or first_slot.shape[0] != steps:
+        raise ValueError(f"first_slot must be [G] = [{steps}], got shape {first_slot.shape}")
+    if np.any(np.diff(first_slot) < 0) or first_slot.min() < 0 or first_slot.max() >= buffer.shape[0]:
+        raise ValueError(f"first_slot must be non-decreasing in [0, {buffer.shape[0]}), got {first_slot.tolist()}")
+    x0 = jax.tree.map(lambda a: a[0], xs)
+    step, consts = jax.closure_convert(body, buffer, x0)
+    return _scan_source_buffer(step, tuple(int(s) for s in first_slot), list(consts), buffer, xs)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _float0_like(x):
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _rebuilt(final, first, partial, slot):
+    """The buffer a step that starts at `slot` saw: final values below it, `partial` at it, `first` above."""
+    index = jnp.arange(final.shape[0]).reshape((-1,) + (1,) * (final.ndim - 1))
+    return jnp.where(index < slot, final, jnp.where(index == slot, partial[None], first))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scan_source_buffer(step, first_slot, consts, buffer, xs):
+    final, ys, _ = _scan_forward(step, first_slot, consts, buffer, xs)
+    return final, ys
+
+
+def _scan_forward(step, first_slot, consts, buffer, xs):
+    def one(carry, inputs):
+        x, slot = inputs
+        partial = jax.lax.dynamic_index_in_dim(carry, slot, 0, keepdims=False)
+        carry, y = step(carry, x, *consts)
+        return carry, (y, partial)
+
+    final, (ys, partials) = jax.lax.scan(one, buffer, (xs, jnp.asarray(first_slot, jnp.int32)))
+    return final, ys, partials
+
+
+def _scan_source_buffer_fwd(step, first_slot, consts, buffer, xs):
+    final, ys, partials = _scan_forward(step, first_slot, consts, buffer, xs)
+    return (final, ys), (consts, buffer, xs, final, partials)
+
+
+def _scan_source_buffer_bwd(step, first_slot, res, cts):
+    consts, first, xs, final, partials = res
+    ct_final, ct_ys = cts
+    # integer leaves (float0 cotangents) do not go through the reverse scan: they are rebuilt outside it
+    x_leaves, x_tree = jax.tree.flatten(xs)
+    x_float = [_is_float(a) for a in x_leaves]
+    y_leaves, y_tree = jax.tree.flatten(ct_ys)
+    y_float = [c.dtype != jax.dtypes.float0 for c in y_leaves]
+    c_float = [_is_float(c) for c in consts]
+
+    def one(carry, inputs):
+        ct_buffer, ct_consts = carry
+        x, slot, partial, ct_y_float = inputs
+        x_step = jax.tree.unflatten(x_tree, x)
+        rebuilt = _rebuilt(final, first, partial, slot)
+        (_, y), pullback = jax.vjp(lambda b, xx, *c: step(b, xx, *c), rebuilt, x_step, *consts)
+        it = iter(ct_y_float)
+        ct_y = [next(it) if f else _float0_like(l) for f, l in zip(y_float, jax.tree.leaves(y))]
+        ct_b, ct_x, *ct_c = pullback((ct_buffer, jax.tree.unflatten(y_tree, ct_y)))
+        ct_consts = [a + b for a, b in zip(ct_consts, (c for c, f in zip(ct_c, c_float) if f))]
+        ct_x = [c for c, f in zip(jax.tree.leaves(ct_x), x_float) if f]
+        return (ct_b, ct_consts), ct_x
+
+    init = (ct_final, [jnp.zeros_like(c) for c, f in zip(consts, c_float) if f])
+    inputs = (x_leaves, jnp.asarray(first_slot, jnp.int32), partials,
+              [c for c, f in zip(y_leaves, y_float) if f])
+    (ct_buffer, ct_consts), ct_x_float = jax.lax.scan(one, init, inputs, reverse=True)
+    it_c, it_x = iter(ct_consts), iter(ct_x_float)
+    ct_consts = [next(it_c) if f else _float0_like(c) for c, f in zip(consts, c_float)]
+    ct_xs = jax.tree.unflatten(x_tree, [next(it_x) if f else _float0_like(a) for a, f in zip(x_leaves, x_float)])
+    return ct_consts, ct_buffer, ct_xs
+
+
+_scan_source_buffer.defvjp(_scan_source_buffer_fwd, _scan_source_buffer_bwd)
 
 
 def _pallas_covers(num_sources: int, d: int, dtype, interpret: bool) -> bool:

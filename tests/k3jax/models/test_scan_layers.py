@@ -36,7 +36,8 @@ def _run(cfg, diagnostics=True):
     dict(remat="none"),  # remat "full": test_scanned_train_step_equals_unrolled
     # attention only: the scan of a KDA layer is the first case's; here it would only add compile time
     dict(remat="dots_saveable", residual=ResidualConfig(kind="prenorm"), mixer_pattern="AA"),
-    dict(remat="none", residual=ResidualConfig(kind="full_attnres"), ffn="mlp", mixer_pattern="AA"),
+    # remat "full" with AttnRes: residual_ops.scan_source_buffer (Block AttnRes: the train-step test below)
+    dict(remat="full", residual=ResidualConfig(kind="full_attnres"), ffn="mlp", mixer_pattern="AA"),
 ])
 def test_scanned_model_equals_unrolled(changes):
     unrolled = dataclasses.replace(BASE, **{k: v for k, v in changes.items() if k != "remat"})

@@ -276,6 +276,59 @@ def test_scan_over_fixed_source_buffer_matches_reference():
     np.testing.assert_allclose(hs, np.stack(ref.sublayer_inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_layers, num_blocks", [(5, 3), (3, 6)])  # blocks across periods; Full AttnRes
+def test_scan_source_buffer_equals_the_checkpointed_scan(num_layers, num_blocks):
+    """scan_source_buffer (one buffer kept for the backward, each period's rebuilt from it) gives the same
+    outputs and every cotangent as lax.scan over jax.checkpoint(body): the buffer (embedding), the scanned
+    parameters, a closed-over float array, with integer xs / ys / closed-over arrays present."""
+    lay = R.block_layout(num_layers, num_blocks)
+    period = 2  # one layer = 2 sublayers per step; blocks of 4, 3, 3 (first case) do not line up with it
+    per = lambda a: np.asarray(a).reshape(num_layers, period, *np.shape(a)[1:])  # noqa: E731
+    xs = {"w": per(_randn(50, (lay.num_sublayers, D, D), 0.3)), "q": per(_randn(51, (lay.num_sublayers, D), 0.5)),
+          "slot": per(lay.scan_inputs()["slot"]), "num_valid": per(lay.scan_inputs()["num_valid"])}
+    e, gain = _randn(52, (B, T, D)), 1.0 + _randn(53, (D,), 0.2)
+    ids = jnp.arange(T) % 3  # closed-over integers
+    cot = _randn(54, (lay.max_sources, B, T, D)) / (B * T)
+
+    def run(e, xs, gain, fast):
+        def body(buffer, x):
+            weights = []
+            for i in range(period):
+                h, w, buffer = R.depth_attention_carry(buffer, x["q"][i], jnp.ones(D), num_valid=x["num_valid"][i])
+                out = jnp.tanh(_rmsnorm(h) @ x["w"][i]) * gain + ids[None, :, None]
+                buffer = R.add_to_slot(buffer, out, x["slot"][i])
+                weights.append(w)
+            return buffer, {"w": jnp.stack(weights), "finite": jnp.all(jnp.isfinite(buffer)), "n": x["num_valid"]}
+        buffer = jnp.zeros((lay.max_sources, B, T, D)).at[0].set(e)
+        if fast:
+            return R.scan_source_buffer(body, buffer, xs, per(lay.scan_inputs()["slot"])[:, 0])
+        return jax.lax.scan(jax.checkpoint(body), buffer, xs)
+
+    def loss(e, xs, gain, fast):
+        final, ys = run(e, xs, gain, fast)
+        return jnp.sum(final * cot) + jnp.sum(ys["w"] ** 3) / (B * T)
+
+    floats = {k: xs[k] for k in ("w", "q")}
+    grad = jax.jit(jax.value_and_grad(lambda e, f, g, fast: loss(e, {**xs, **f}, g, fast), argnums=(0, 1, 2)),
+                   static_argnums=3)
+    (v0, g0), (v1, g1) = grad(e, floats, gain, False), grad(e, floats, gain, True)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves_with_path(g1)):
+        assert float(jnp.abs(a).max()) > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()), err_msg=jax.tree_util.keystr(path))
+    (f0, y0), (f1, y1) = (jax.jit(run, static_argnums=3)(e, xs, gain, fast) for fast in (False, True))
+    np.testing.assert_array_equal(f1, f0)
+    jax.tree.map(np.testing.assert_array_equal, y1, y0)
+
+
+def test_scan_source_buffer_refuses_bad_first_slots():
+    body = lambda buffer, x: (buffer, x)  # noqa: E731
+    buffer, xs = jnp.zeros((3, 2)), jnp.zeros((4,))
+    for bad in ([0, 1, 1], [0, 2, 1, 2], [0, 1, 2, 3], [-1, 0, 0, 0]):
+        with pytest.raises(ValueError, match="first_slot"):
+            R.scan_source_buffer(body, buffer, xs, bad)
+
+
 @pytest.mark.parametrize("slot", [0, 2, 3, 7, -1])  # 7 is clamped to 3; -1 counts from the end (3)
 def test_add_to_slot_equals_autodiff_of_index_add_update(slot):
     """add_to_slot's hand-written VJP equals JAX's derivative of index + add + update, forward and both

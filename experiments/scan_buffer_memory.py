@@ -1,0 +1,165 @@
+"""The scanned AttnRes stack with one source buffer kept for the backward pass, against the checkpointed scan.
+
+  python -m experiments.scan_buffer_memory --out=experiments/results/scan_buffer_memory_cpu
+  python -m experiments.scan_buffer_memory --tiny --out=/tmp/sbm        # smoke
+
+`model.scan_layers` with AttnRes and `remat="full"` runs `k3jax.ops.residuals.scan_source_buffer`: the
+forward keeps the first and final source buffers and one slot per period, and the backward rebuilds each
+period's buffer from them. The reference is what the model ran before and what the tests hold it to,
+`jax.lax.scan(jax.checkpoint(body))`, which saves the whole `[N + 1, B, T, D]` buffer at every period.
+
+Per row (variant, scan): the compiled train step's temporary memory (`memory_analysis()` of the trainer's
+step, compiled for this host's backend) at the depth sweep's GPU shape (experiments/gpu_checks/depth_gpu.sh:
+32 layers, d 512, 16 x 1024 tokens, bf16), and the median step time and loss of --steps steps at a smaller
+shape (--time_*: d 64, 8 x 64 tokens, fp32, as the CPU depth study). Writes <out>.json and <out>.md.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+SCANS = ("checkpointed", "one_buffer")
+
+
+def _define_flags():
+    flags.DEFINE_list("variants", ["block_attnres", "full_attnres"], "AttnRes variants (depth_residuals').")
+    flags.DEFINE_integer("layers", 32, "Transformer layers.")
+    flags.DEFINE_integer("steps", 15, "Timed steps per row (after the compiling first step).")
+    flags.DEFINE_integer("time_d_model", 64, "d_model of the timed rows.")
+    flags.DEFINE_integer("time_batch", 8, "Sequences per step of the timed rows.")
+    flags.DEFINE_integer("time_seq_len", 64, "Tokens per sequence of the timed rows.")
+    flags.DEFINE_bool("tiny", False, "Smoke sizes: 2 layers, d 32, 2 x 32 tokens, 2 steps.")
+    flags.DEFINE_string("out", "/tmp/k3jax_scan_buffer_memory/scan_buffer_memory", "Output prefix (.json/.md).")
+
+
+def _model_config(variant: str, layers: int, d_model: int, batch: int, seq_len: int, dtype: str):
+    from experiments.depth_residuals import Settings, run_config  # noqa: PLC0415
+    settings = Settings(d_model=d_model, num_heads=max(1, d_model // 64), head_dim=min(64, d_model), d_ff=3 * d_model,
+                        seq_len=seq_len, batch_size=batch, dtype=dtype, scan_layers=True, remat="full")
+    return run_config(settings, variant, layers, 0, "/tmp/unused").model
+
+
+def _checkpointed(body, buffer, xs, first_slot):
+    """The reference: the carry (the whole buffer) saved at every period."""
+    import jax  # noqa: PLC0415
+    del first_slot
+    return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), buffer, xs)
+
+
+def _with_scan(scan: str):
+    """Context: the model's scanned AttnRes stack runs `scan` ("one_buffer" = the library's own)."""
+    import contextlib  # noqa: PLC0415
+    from unittest import mock  # noqa: PLC0415
+
+    from k3jax.ops import residuals  # noqa: PLC0415
+    if scan == "one_buffer":
+        return contextlib.nullcontext()
+    return mock.patch.object(residuals, "scan_source_buffer", _checkpointed)
+
+
+def _batch(batch: int, seq_len: int, abstract: bool):
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    if abstract:
+        spec = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype)  # noqa: E731
+        return {"inputs": spec("int32"), "targets": spec("int32"), "segment_ids": spec("int32"),
+                "positions": spec("int32"), "loss_mask": spec("bool")}
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, 259)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((batch, seq_len), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)),
+            "loss_mask": jnp.ones((batch, seq_len), bool)}
+
+
+def compiled_temp_gib(cfg, batch: int, seq_len: int, scan: str) -> float:
+    """Temporary memory of the compiled train step on abstract parameters (GiB)."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from k3jax.models.lm import LanguageModel  # noqa: PLC0415
+    from k3jax.train.config import TrainConfig  # noqa: PLC0415
+    from k3jax.train.optimizer import make_optimizer  # noqa: PLC0415
+    from k3jax.train.step import train_step  # noqa: PLC0415
+
+    def build():
+        model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    jax.clear_caches()  # the other scan's trace must not be reused
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        return train_step(model, optimizer, batch), nnx.state((model, optimizer))
+    with _with_scan(scan):
+        compiled = jax.jit(step).lower(state, _batch(batch, seq_len, abstract=True)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**30
+
+
+def timed_steps(cfg, batch: int, seq_len: int, scan: str, steps: int) -> dict:
+    """Median wall time of `steps` train steps after the compiling first one, and the last loss."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from k3jax.models.lm import LanguageModel  # noqa: PLC0415
+    from k3jax.train.config import TrainConfig  # noqa: PLC0415
+    from k3jax.train.optimizer import make_optimizer  # noqa: PLC0415
+    from k3jax.train.step import bind_train_step  # noqa: PLC0415
+    jax.clear_caches()  # bind_train_step's jit keys on the graph: the other scan's executable must not be reused
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    step = bind_train_step(model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param))
+    data = _batch(batch, seq_len, abstract=False)
+    with _with_scan(scan):
+        start = time.perf_counter()
+        metrics = jax.device_get(step(data))
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            metrics = jax.device_get(step(data))
+            times.append(time.perf_counter() - start)
+    return {"first_step_s": first, "median_step_ms": 1e3 * statistics.median(times), "loss": float(metrics["loss"])}
+
+
+def main(argv):
+    del argv
+    import subprocess  # noqa: PLC0415
+
+    from experiments.harness import environment, environment_line, markdown_table, write_results  # noqa: PLC0415
+    layers, steps = (2, 2) if FLAGS.tiny else (FLAGS.layers, FLAGS.steps)
+    mem_shape = dict(d_model=32, batch=2, seq_len=32, dtype="float32") if FLAGS.tiny else \
+        dict(d_model=512, batch=16, seq_len=1024, dtype="bfloat16")
+    time_shape = dict(d_model=32, batch=2, seq_len=32, dtype="float32") if FLAGS.tiny else \
+        dict(d_model=FLAGS.time_d_model, batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype="float32")
+    rows = []
+    for variant in FLAGS.variants:
+        for scan in SCANS:
+            mem_cfg = _model_config(variant, layers, **mem_shape)
+            row = {"variant": variant, "scan": scan, "layers": layers,
+                   "temp_gib": compiled_temp_gib(mem_cfg, mem_shape["batch"], mem_shape["seq_len"], scan),
+                   **timed_steps(_model_config(variant, layers, **time_shape), time_shape["batch"],
+                                 time_shape["seq_len"], scan, steps)}
+            rows.append(row)
+            print(row, flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = environment(commit=commit)
+    md = ["# Scanned AttnRes: one source buffer for the backward vs the checkpointed scan", "", environment_line(env), "",
+          f"`python -m experiments.scan_buffer_memory{' --tiny' if FLAGS.tiny else ''}` at {commit or '?'}, "
+          f"{layers} layers, scanned, remat full. Temp memory: the compiled train step's (`memory_analysis`, this "
+          f"host's backend) at d {mem_shape['d_model']}, {mem_shape['batch']} x {mem_shape['seq_len']} tokens, "
+          f"{mem_shape['dtype']}. Step time: median of {steps} steps after the first at d {time_shape['d_model']}, "
+          f"{time_shape['batch']} x {time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
+    md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
+                         [[r["variant"], r["scan"], f"{r['temp_gib']:.1f}", f"{r['median_step_ms']:.1f}",
+                           f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
+    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "layers": layers,
+                                                           "steps": steps, "memory_shape": mem_shape,
+                                                           "time_shape": time_shape}, "rows": rows},
+                  "\n".join(md) + "\n")
+    print(f"wrote {FLAGS.out}.json and {FLAGS.out}.md")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
