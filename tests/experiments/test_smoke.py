@@ -55,6 +55,7 @@ SCRIPTS = {
                                        "--out={out}/ops"], ["ops.json", "ops.md"]),
     "lowering_time": ("lowering_time", ["--shapes=tiny", "--rows=k3_default", "--depth_layers=1", "--out={out}/lt"],
                       ["lt.json", "lt.md"]),
+    "scan_buffer_memory": ("scan_buffer_memory", ["--tiny", "--out={out}/sbm"], ["sbm.json", "sbm.md"]),
     "profile_step_layers": ("profile_step", ["--layers", *TINY_LM, "--timed=1", "--warmup=0", "--out={out}/layers"],
                             ["layers.json", "layers.md"]),
     "quantile_threshold_study": ("quantile_threshold_study", ["synthetic"], []),  # prints its rows only
