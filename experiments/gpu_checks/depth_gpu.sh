@@ -13,8 +13,9 @@
 # unrolled prenorm needs 11.1), so it is not passed. article_block (2 seeds, 4 runs per card) took 160 s each.
 # full_attnres unrolled did not log step 10 in 540 s, even alone; it ran scanned with remat full (one source
 # buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
-# SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB, so one run per card;
-# ~276 s a run, two calls for three seeds). Then DEPTHS=24 NAME=depth_gpu_L24.
+# SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB with the checkpointed
+# scan of then, so one run per card; ~276 s a run, two calls for three seeds; main's one-buffer scan needs less,
+# not measured on a GPU: results/scan_buffer_memory_cpu.md). Then DEPTHS=24 NAME=depth_gpu_L24.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
