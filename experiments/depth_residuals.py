@@ -90,7 +90,7 @@ def _define_flags():
                       "> 65 (full_attnres) (results/depth_gpu_L32_h100.md).")
     flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                       "model.remat of the scanned layers (needs --scan_layers; article_block stays unrolled without "
-                      "it). With AttnRes, 'full' keeps one source buffer for the backward (results/scan_buffer_memory_cpu.md).")
+                      "it). With AttnRes, 'full' keeps two buffers, not one per layer (results/scan_buffer_memory_cpu.md).")
     flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
     flags.DEFINE_string("out", "/tmp/k3jax_depth_residuals/depth_residuals", "Output prefix (.json/.md/_*.png); "
                         "the committed result is --out=experiments/results/depth_residuals.")

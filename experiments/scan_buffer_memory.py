@@ -1,4 +1,4 @@
-"""The scanned AttnRes stack with one source buffer kept for the backward pass, against the checkpointed scan.
+"""The scanned AttnRes stack with two buffers and a slot per period kept for the backward, against the checkpointed scan.
 
   python -m experiments.scan_buffer_memory --out=experiments/results/scan_buffer_memory_cpu
   python -m experiments.scan_buffer_memory --tiny --out=/tmp/sbm        # smoke
@@ -10,8 +10,9 @@ period's buffer from them. The reference is what the model ran before and what t
 
 Per row (variant, scan): the compiled train step's temporary memory (`memory_analysis()` of the trainer's
 step, compiled for this host's backend) at the depth sweep's GPU shape (experiments/gpu_checks/depth_gpu.sh:
-32 layers, d 512, 16 x 1024 tokens, bf16), and the median step time and loss of --steps steps at a smaller
-shape (--time_*: d 64, 8 x 64 tokens, fp32, as the CPU depth study). Writes <out>.json and <out>.md.
+32 layers, d 512, 8 heads, 16 x 1024 tokens, bf16), and the median step time and loss of --steps steps at a
+smaller shape (--time_*: d 64, 4 heads, 8 x 64 tokens, fp32, as the CPU depth study). PreNorm (no buffer) is
+the reference row. Writes <out>.json and <out>.md.
 """
 from __future__ import annotations
 
@@ -25,19 +26,21 @@ SCANS = ("checkpointed", "one_buffer")
 
 
 def _define_flags():
-    flags.DEFINE_list("variants", ["block_attnres", "full_attnres"], "AttnRes variants (depth_residuals').")
+    flags.DEFINE_list("variants", ["prenorm", "block_attnres", "full_attnres"],
+                      "depth_residuals' variants; prenorm (no buffer) is the reference, checkpointed only.")
     flags.DEFINE_integer("layers", 32, "Transformer layers.")
     flags.DEFINE_integer("steps", 15, "Timed steps per row (after the compiling first step).")
     flags.DEFINE_integer("time_d_model", 64, "d_model of the timed rows.")
+    flags.DEFINE_integer("time_num_heads", 4, "Attention heads of the timed rows (head_dim = d_model / heads).")
     flags.DEFINE_integer("time_batch", 8, "Sequences per step of the timed rows.")
     flags.DEFINE_integer("time_seq_len", 64, "Tokens per sequence of the timed rows.")
     flags.DEFINE_bool("tiny", False, "Smoke sizes: 2 layers, d 32, 2 x 32 tokens, 2 steps.")
     flags.DEFINE_string("out", "/tmp/k3jax_scan_buffer_memory/scan_buffer_memory", "Output prefix (.json/.md).")
 
 
-def _model_config(variant: str, layers: int, d_model: int, batch: int, seq_len: int, dtype: str):
+def _model_config(variant: str, layers: int, d_model: int, num_heads: int, batch: int, seq_len: int, dtype: str):
     from experiments.depth_residuals import Settings, run_config  # noqa: PLC0415
-    settings = Settings(d_model=d_model, num_heads=max(1, d_model // 64), head_dim=min(64, d_model), d_ff=3 * d_model,
+    settings = Settings(d_model=d_model, num_heads=num_heads, head_dim=d_model // num_heads, d_ff=3 * d_model,
                         seq_len=seq_len, batch_size=batch, dtype=dtype, scan_layers=True, remat="full")
     return run_config(settings, variant, layers, 0, "/tmp/unused").model
 
@@ -128,13 +131,13 @@ def main(argv):
 
     from experiments.harness import environment, environment_line, markdown_table, write_results  # noqa: PLC0415
     layers, steps = (2, 2) if FLAGS.tiny else (FLAGS.layers, FLAGS.steps)
-    mem_shape = dict(d_model=32, batch=2, seq_len=32, dtype="float32") if FLAGS.tiny else \
-        dict(d_model=512, batch=16, seq_len=1024, dtype="bfloat16")
-    time_shape = dict(d_model=32, batch=2, seq_len=32, dtype="float32") if FLAGS.tiny else \
-        dict(d_model=FLAGS.time_d_model, batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype="float32")
+    tiny = dict(d_model=32, num_heads=2, batch=2, seq_len=32, dtype="float32")
+    mem_shape = tiny if FLAGS.tiny else dict(d_model=512, num_heads=8, batch=16, seq_len=1024, dtype="bfloat16")
+    time_shape = tiny if FLAGS.tiny else dict(d_model=FLAGS.time_d_model, num_heads=FLAGS.time_num_heads,
+                                              batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype="float32")
     rows = []
     for variant in FLAGS.variants:
-        for scan in SCANS:
+        for scan in (SCANS if variant != "prenorm" else SCANS[:1]):
             mem_cfg = _model_config(variant, layers, **mem_shape)
             row = {"variant": variant, "scan": scan, "layers": layers,
                    "temp_gib": compiled_temp_gib(mem_cfg, mem_shape["batch"], mem_shape["seq_len"], scan),
@@ -144,12 +147,13 @@ def main(argv):
             print(row, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = environment(commit=commit)
-    md = ["# Scanned AttnRes: one source buffer for the backward vs the checkpointed scan", "", environment_line(env), "",
+    md = ["# Scanned AttnRes: two buffers and a slot per period for the backward vs the checkpointed scan", "", environment_line(env), "",
           f"`python -m experiments.scan_buffer_memory{' --tiny' if FLAGS.tiny else ''}` at {commit or '?'}, "
           f"{layers} layers, scanned, remat full. Temp memory: the compiled train step's (`memory_analysis`, this "
-          f"host's backend) at d {mem_shape['d_model']}, {mem_shape['batch']} x {mem_shape['seq_len']} tokens, "
-          f"{mem_shape['dtype']}. Step time: median of {steps} steps after the first at d {time_shape['d_model']}, "
-          f"{time_shape['batch']} x {time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
+          f"host's backend) at d {mem_shape['d_model']} ({mem_shape['num_heads']} heads), {mem_shape['batch']} x "
+          f"{mem_shape['seq_len']} tokens, {mem_shape['dtype']}. Step time: median of {steps} steps after the first "
+          f"at d {time_shape['d_model']} ({time_shape['num_heads']} heads), {time_shape['batch']} x "
+          f"{time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
     md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
                          [[r["variant"], r["scan"], f"{r['temp_gib']:.1f}", f"{r['median_step_ms']:.1f}",
                            f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])

@@ -11,7 +11,7 @@
 # the train step's compile 131-156 s. --scan_layers compiles once per period but ran every worker out of memory
 # at 5 per card (20.7 GiB prenorm, 30.1 block_attnres, 65 full_attnres: the scan saves its carry per sublayer;
 # unrolled prenorm needs 11.1), so it is not passed. article_block (2 seeds, 4 runs per card) took 160 s each.
-# full_attnres unrolled did not log step 10 in 540 s, even alone; it ran scanned with remat full (one source
+# full_attnres unrolled did not log step 10 in 540 s at 2 runs per card; it ran scanned with remat full (one source
 # buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
 # SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB with the checkpointed
 # scan of then, so one run per card; ~276 s a run, two calls for three seeds; main's one-buffer scan needs less,

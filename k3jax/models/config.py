@@ -199,8 +199,8 @@ class ModelConfig:
         residual.kind in ("prenorm", "block_attnres", "full_attnres"). Parameters and checkpoints are
         the same as unrolled.
       remat: rematerialisation of each scanned period in the backward pass: "none", "full" (recompute
-        everything, save only the carry), or a `jax.checkpoint_policies` name ("dots_saveable",
-        "dots_with_no_batch_dims_saveable": keep matmul outputs). Needs scan_layers unless "none".
+        everything, save only the carry; with AttnRes not even that: `residuals.scan_source_buffer`), or a
+        `jax.checkpoint_policies` name ("dots_saveable", "dots_with_no_batch_dims_saveable": keep matmul outputs). Needs scan_layers unless "none".
       kda, attention, residual, moe: the sub-configs (:class:`KDAConfig`, :class:`AttentionConfig`,
         :class:`ResidualConfig`, :class:`MoEConfig`).
     """

@@ -148,8 +148,8 @@ class LanguageModel(nnx.Module):
         through `depth_attention_carry`, so the Pallas backward updates its cotangent in place). Returns what
         `_run_stack` returns (depth weights padded to N + 1 sources are cut to each mix's count) and the
         MoE aux dicts in layer order. The remat policy `cfg.remat` wraps the scan body; with AttnRes and remat
-        "full" the scan is `residual_ops.scan_source_buffer`, which keeps one source buffer for the backward
-        pass instead of one per period. Each sublayer's
+        "full" the scan is `residual_ops.scan_source_buffer`, which keeps two buffers and a slot per period for
+        the backward pass instead of one buffer per period. Each sublayer's
         input is reduced to a finiteness flag inside the body (`sublayer_finite`); the inputs themselves are
         stacked out of the scan only with `keep_inputs` (diagnostics).
         """
@@ -216,7 +216,8 @@ class LanguageModel(nnx.Module):
             return carry, {"inputs": jnp.stack(inputs) if keep_inputs else None, "finite": jnp.stack(finite),
                            "weights": jnp.stack(weights) if weights else None, "aux": aux if cfg.ffn == "moe" else None}
 
-        if attnres and cfg.remat == "full":  # one source buffer kept for the backward, not one per period
+        if attnres and cfg.remat == "full":  # not one buffer per period kept for the backward
+            # block ids never decrease over sublayers, so period g writes slots first_slot[g]..first_slot[g + 1]
             carry, ys = residual_ops.scan_source_buffer(body, carry, xs, per_period(scan_in["slot"])[:, 0])
         else:
             if cfg.remat != "none":

@@ -205,25 +205,27 @@ add_to_slot.defvjp(_add_to_slot_fwd, _add_to_slot_bwd)
 
 
 def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[Array, object]:
-    """`jax.lax.scan(jax.checkpoint(body), buffer, xs)` over a source buffer that only grows, keeping ONE
-    buffer for the backward pass instead of one per step.
+    """`jax.lax.scan(jax.checkpoint(body), buffer, xs)` over a source buffer that only grows, keeping two
+    buffers and one slot per step for the backward pass instead of one buffer per step.
 
     A scan saves its carry at every step for the backward pass: with Block AttnRes's buffer
-    `[N + 1, B, T, D]` carried over G steps that is G buffers (Full AttnRes at 32 layers, d 512, B·T 16k:
-    32 GiB of the step's 39.6 on an H100, `experiments/results/depth_gpu_L32_h100.md`). Here the forward
-    keeps the final buffer, the first one, and per step the one slot that step starts adding to; the
-    backward rebuilds step g's buffer exactly from them and recomputes the step (as remat "full" does):
-    slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved partial sum, the
-    slots above it still hold `buffer`'s.
+    `[N + 1, B, T, D]` carried over G steps that is G buffers (Full AttnRes at 32 layers, d 512,
+    16 × 1024 tokens, bf16: 32 GiB of the step's 39.6 on an H100, `experiments/results/depth_gpu_L32_h100.md`).
+    Here the forward keeps the first buffer, the final one, and per step the slot that step starts
+    adding to; the backward rebuilds step g's buffer exactly from them and recomputes the step (as remat
+    "full" does): slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved
+    partial sum, the slots above it still hold the first buffer's.
 
     Args:
-      body: `(buffer [S, ...], x) -> (buffer, y)`, one step. It may add to slots `first_slot[g]` and
-        above only (in the model: `add_to_slot` at the step's block ids). It may close over arrays
-        (converted with `jax.closure_convert`; integer ones get no gradient).
+      body: `(buffer [S, ...], x) -> (buffer, y)`, one step. Step g may write only slots s with
+        `first_slot[g] <= s <= first_slot[g + 1]` (any s >= first_slot[g] for the last step): then no
+        slot below a step's first slot changes after it, which the rebuild needs (not checked; the model's
+        block ids never decrease, so its periods satisfy it). It may close over arrays; every closed-over
+        array becomes an argument of the custom VJP (integer ones get float0 cotangents).
       buffer: the initial buffer `[S, ...]` (any float dtype).
       xs: the scanned inputs, a pytree of arrays with leading axis G.
       first_slot: `[G]` ints, non-decreasing (a NumPy array or a sequence; static): the lowest slot
-        step g adds to.
+        step g writes.
 
     Returns:
       `(final buffer, ys)` as `jax.lax.scan` returns them; the same values and gradients as
@@ -238,9 +240,24 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
         raise ValueError(f"first_slot must be [G] = [{steps}], got shape {first_slot.shape}")
     if np.any(np.diff(first_slot) < 0) or first_slot.min() < 0 or first_slot.max() >= buffer.shape[0]:
         raise ValueError(f"first_slot must be non-decreasing in [0, {buffer.shape[0]}), got {first_slot.tolist()}")
-    x0 = jax.tree.map(lambda a: a[0], xs)
-    step, consts = jax.closure_convert(body, buffer, x0)
-    return _scan_source_buffer(step, tuple(int(s) for s in first_slot), list(consts), buffer, xs)
+    step, consts = _lift_constants(body, buffer, jax.tree.map(lambda a: a[0], xs))
+    return _scan_source_buffer(step, tuple(int(s) for s in first_slot), consts, buffer, xs)
+
+
+def _lift_constants(body, buffer, x):
+    """`body` as a function of `(buffer, x, *consts)` with EVERY array it closes over in consts.
+
+    `jax.closure_convert` lifts only values that may carry a gradient; an integer tracer of an enclosing
+    jit (segment ids, positions) would stay inside the custom VJP's non-differentiable `step` and fail
+    under `grad(jit(...))`."""
+    closed, out_shape = jax.make_jaxpr(body, return_shape=True)(buffer, x)
+    out_tree = jax.tree.structure(out_shape)
+    jaxpr = closed.jaxpr
+
+    def step(b, x_, *consts):
+        out = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree.leaves((b, x_)))
+        return jax.tree.unflatten(out_tree, out)
+    return step, [jnp.asarray(c) for c in closed.consts]
 
 
 def _is_float(x) -> bool:

@@ -39,11 +39,17 @@ def _run(cfg, diagnostics=True):
     # remat "full" with AttnRes: residual_ops.scan_source_buffer (Block AttnRes: the train-step test below)
     dict(remat="full", residual=ResidualConfig(kind="full_attnres"), ffn="mlp", mixer_pattern="AA"),
 ])
-def test_scanned_model_equals_unrolled(changes):
+def test_scanned_model_equals_unrolled(changes, monkeypatch):
+    from k3jax.ops import residuals as residual_ops
     unrolled = dataclasses.replace(BASE, **{k: v for k, v in changes.items() if k != "remat"})
     scanned = dataclasses.replace(unrolled, scan_layers=True, remat=changes["remat"])
+    calls = []
+    one_buffer = residual_ops.scan_source_buffer
+    monkeypatch.setattr(residual_ops, "scan_source_buffer", lambda *a: calls.append(1) or one_buffer(*a))
     loss0, aux0, grads0, diag0 = _run(unrolled)
     loss1, aux1, grads1, diag1 = _run(scanned)
+    # AttnRes with remat "full" runs the one-buffer scan; the other cases the checkpointed lax.scan
+    assert bool(calls) == (scanned.remat == "full" and scanned.residual.kind != "prenorm")
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     leaves0, leaves1 = jax.tree.leaves_with_path(grads0), jax.tree.leaves_with_path(grads1)
     assert [p for p, _ in leaves0] == [p for p, _ in leaves1]

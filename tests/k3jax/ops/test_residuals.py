@@ -1,5 +1,6 @@
 """Block Attention Residuals: depth attention, block bookkeeping, references, article variant, NNX."""
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -276,21 +277,27 @@ def test_scan_over_fixed_source_buffer_matches_reference():
     np.testing.assert_allclose(hs, np.stack(ref.sublayer_inputs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_layers, num_blocks", [(5, 3), (3, 6)])  # blocks across periods; Full AttnRes
-def test_scan_source_buffer_equals_the_checkpointed_scan(num_layers, num_blocks):
-    """scan_source_buffer (one buffer kept for the backward, each period's rebuilt from it) gives the same
-    outputs and every cotangent as lax.scan over jax.checkpoint(body): the buffer (embedding), the scanned
-    parameters, a closed-over float array, with integer xs / ys / closed-over arrays present."""
+@pytest.mark.parametrize("num_layers, num_blocks, period", [
+    (5, 3, 2),   # blocks of 4, 3, 3 sublayers across steps of one layer: partial sums carried over steps
+    (3, 6, 2),   # Full AttnRes (N = L)
+    (6, 5, 4),   # steps of two layers; blocks of 3, 3, 2, 2, 2 start and are read inside a step
+])
+def test_scan_source_buffer_equals_the_checkpointed_scan(num_layers, num_blocks, period):
+    """scan_source_buffer (the backward rebuilds each step's buffer) gives the same outputs and every
+    cotangent as lax.scan over jax.checkpoint(body): the buffer (embedding), the scanned parameters, a
+    closed-over float array, with integer xs / ys and a closed-over integer array traced by an inner jit
+    (grad of jit, and jit of grad)."""
     lay = R.block_layout(num_layers, num_blocks)
-    period = 2  # one layer = 2 sublayers per step; blocks of 4, 3, 3 (first case) do not line up with it
-    per = lambda a: np.asarray(a).reshape(num_layers, period, *np.shape(a)[1:])  # noqa: E731
+    steps = lay.num_sublayers // period
+    per = lambda a: np.asarray(a).reshape(steps, period, *np.shape(a)[1:])  # noqa: E731
+    first_slot = per(lay.scan_inputs()["slot"])[:, 0]
     xs = {"w": per(_randn(50, (lay.num_sublayers, D, D), 0.3)), "q": per(_randn(51, (lay.num_sublayers, D), 0.5)),
           "slot": per(lay.scan_inputs()["slot"]), "num_valid": per(lay.scan_inputs()["num_valid"])}
     e, gain = _randn(52, (B, T, D)), 1.0 + _randn(53, (D,), 0.2)
-    ids = jnp.arange(T) % 3  # closed-over integers
+    ids = jnp.arange(T) % 3  # closed over by the body; traced inside loss's jit
     cot = _randn(54, (lay.max_sources, B, T, D)) / (B * T)
 
-    def run(e, xs, gain, fast):
+    def run(e, xs, gain, ids, fast):
         def body(buffer, x):
             weights = []
             for i in range(period):
@@ -301,22 +308,24 @@ def test_scan_source_buffer_equals_the_checkpointed_scan(num_layers, num_blocks)
             return buffer, {"w": jnp.stack(weights), "finite": jnp.all(jnp.isfinite(buffer)), "n": x["num_valid"]}
         buffer = jnp.zeros((lay.max_sources, B, T, D)).at[0].set(e)
         if fast:
-            return R.scan_source_buffer(body, buffer, xs, per(lay.scan_inputs()["slot"])[:, 0])
+            return R.scan_source_buffer(body, buffer, xs, first_slot)
         return jax.lax.scan(jax.checkpoint(body), buffer, xs)
 
-    def loss(e, xs, gain, fast):
-        final, ys = run(e, xs, gain, fast)
+    @functools.partial(jax.jit, static_argnums=4)
+    def loss(e, f, gain, ids, fast):
+        final, ys = run(e, {**xs, **f}, gain, ids, fast)
         return jnp.sum(final * cot) + jnp.sum(ys["w"] ** 3) / (B * T)
 
     floats = {k: xs[k] for k in ("w", "q")}
-    grad = jax.jit(jax.value_and_grad(lambda e, f, g, fast: loss(e, {**xs, **f}, g, fast), argnums=(0, 1, 2)),
-                   static_argnums=3)
-    (v0, g0), (v1, g1) = grad(e, floats, gain, False), grad(e, floats, gain, True)
-    np.testing.assert_allclose(v1, v0, rtol=1e-6)
-    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves_with_path(g1)):
-        assert float(jnp.abs(a).max()) > 0, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()), err_msg=jax.tree_util.keystr(path))
-    (f0, y0), (f1, y1) = (jax.jit(run, static_argnums=3)(e, xs, gain, fast) for fast in (False, True))
+    ref = jax.value_and_grad(lambda *a: loss(*a, False), argnums=(0, 1, 2))(e, floats, gain, ids)
+    for got in (jax.value_and_grad(lambda *a: loss(*a, True), argnums=(0, 1, 2))(e, floats, gain, ids),
+                jax.jit(jax.value_and_grad(lambda *a: loss(*a, True), argnums=(0, 1, 2)))(e, floats, gain, ids)):
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+        for (path, a), (_, b) in zip(jax.tree.leaves_with_path(ref[1]), jax.tree.leaves_with_path(got[1])):
+            assert float(jnp.abs(a).max()) > 0, jax.tree_util.keystr(path)
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()),
+                                       err_msg=jax.tree_util.keystr(path))
+    (f0, y0), (f1, y1) = (jax.jit(run, static_argnums=4)(e, xs, gain, ids, fast) for fast in (False, True))
     np.testing.assert_array_equal(f1, f0)
     jax.tree.map(np.testing.assert_array_equal, y1, y0)
 
