@@ -85,12 +85,13 @@ def _define_flags():
         "the number of units of the model.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
     flags.DEFINE_bool("scan_layers", False, "model.scan_layers (compile time independent of depth) for every "
-                      "variant but article_block, which has no scanned form and stays unrolled. Costs memory: at 32 "
-                      "layers, d 512 the step needed 20.7 GiB (prenorm; 11.1 unrolled), 30.1 (block_attnres), "
+                      "variant but article_block, which has no scanned form and stays unrolled. Without --remat it costs memory: at "
+                      "32 layers, d 512 the step needed 20.7 GiB (prenorm; 11.1 unrolled), 30.1 (block_attnres), "
                       "> 65 (full_attnres) (results/depth_gpu_L32_h100.md).")
     flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
-                      "model.remat of the scanned layers (needs --scan_layers; article_block stays unrolled without "
-                      "it). With AttnRes, 'full' keeps two buffers, not one per layer (results/scan_buffer_memory_cpu.md).")
+                      "model.remat of the scanned layers (needs --scan_layers; article_block, always unrolled, gets "
+                      "none). With AttnRes, 'full' keeps two buffers, not one per layer "
+                      "(results/scan_buffer_memory_cpu.md).")
     flags.DEFINE_string("workdir", "runs/depth_residuals", "Run folders and per-config raw results.")
     flags.DEFINE_string("out", "/tmp/k3jax_depth_residuals/depth_residuals", "Output prefix (.json/.md/_*.png); "
                         "the committed result is --out=experiments/results/depth_residuals.")

@@ -22,7 +22,7 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-SCANS = ("checkpointed", "one_buffer")
+SCANS = ("checkpointed", "kept_buffers")  # kept_buffers: the library's scan_source_buffer
 
 
 def _define_flags():
@@ -53,12 +53,12 @@ def _checkpointed(body, buffer, xs, first_slot):
 
 
 def _with_scan(scan: str):
-    """Context: the model's scanned AttnRes stack runs `scan` ("one_buffer" = the library's own)."""
+    """Context: the model's scanned AttnRes stack runs `scan` ("kept_buffers" = the library's own)."""
     import contextlib  # noqa: PLC0415
     from unittest import mock  # noqa: PLC0415
 
     from k3jax.ops import residuals  # noqa: PLC0415
-    if scan == "one_buffer":
+    if scan == "kept_buffers":
         return contextlib.nullcontext()
     return mock.patch.object(residuals, "scan_source_buffer", _checkpointed)
 
@@ -155,7 +155,7 @@ def main(argv):
           f"at d {time_shape['d_model']} ({time_shape['num_heads']} heads), {time_shape['batch']} x "
           f"{time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
     md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
-                         [[r["variant"], r["scan"], f"{r['temp_gib']:.1f}", f"{r['median_step_ms']:.1f}",
+                         [[r["variant"], r["scan"], f"{r['temp_gib']:.3g}", f"{r['median_step_ms']:.1f}",
                            f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
     write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "layers": layers,
                                                            "steps": steps, "memory_shape": mem_shape,

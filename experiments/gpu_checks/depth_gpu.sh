@@ -14,7 +14,7 @@
 # full_attnres unrolled did not log step 10 in 540 s at 2 runs per card; it ran scanned with remat full (one source
 # buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
 # SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB with the checkpointed
-# scan of then, so one run per card; ~276 s a run, two calls for three seeds; main's one-buffer scan needs less,
+# scan of then, so one run per card; ~276 s a run, two calls for three seeds; main's scan_source_buffer needs less,
 # not measured on a GPU: results/scan_buffer_memory_cpu.md). Then DEPTHS=24 NAME=depth_gpu_L24.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

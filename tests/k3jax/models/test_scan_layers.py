@@ -44,11 +44,11 @@ def test_scanned_model_equals_unrolled(changes, monkeypatch):
     unrolled = dataclasses.replace(BASE, **{k: v for k, v in changes.items() if k != "remat"})
     scanned = dataclasses.replace(unrolled, scan_layers=True, remat=changes["remat"])
     calls = []
-    one_buffer = residual_ops.scan_source_buffer
-    monkeypatch.setattr(residual_ops, "scan_source_buffer", lambda *a: calls.append(1) or one_buffer(*a))
+    library_scan = residual_ops.scan_source_buffer
+    monkeypatch.setattr(residual_ops, "scan_source_buffer", lambda *a: calls.append(1) or library_scan(*a))
     loss0, aux0, grads0, diag0 = _run(unrolled)
     loss1, aux1, grads1, diag1 = _run(scanned)
-    # AttnRes with remat "full" runs the one-buffer scan; the other cases the checkpointed lax.scan
+    # AttnRes with remat "full" runs scan_source_buffer; the other cases the checkpointed lax.scan
     assert bool(calls) == (scanned.remat == "full" and scanned.residual.kind != "prenorm")
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     leaves0, leaves1 = jax.tree.leaves_with_path(grads0), jax.tree.leaves_with_path(grads1)
