@@ -84,8 +84,10 @@ def lower_depth_row(variant: str, num_layers: int, *, reps: int) -> dict:
             **lower_model(cfg, settings.batch_size, settings.seq_len, reps=reps)}
 
 
-def lower_model(cfg, B: int, T: int, *, reps: int) -> dict:
-    """Trace and lower the trainer's step of a `ModelConfig` for CUDA (median seconds, custom calls)."""
+def abstract_train_step(cfg, B: int, T: int):
+    """The trainer's step of a `ModelConfig` as a pure function on abstract values: (step, state, batch), with
+    `step(state, batch) -> (metrics, new state)`, the parameters and optimizer state of `nnx.eval_shape` and a
+    `[B, T]` batch of ShapeDtypeStructs. Ready for `jax.jit(step).trace / lower(state, batch)`."""
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -105,7 +107,14 @@ def lower_model(cfg, B: int, T: int, *, reps: int) -> dict:
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
         return train_step(model, optimizer, batch), nnx.state((model, optimizer))
+    return step, state, batch
 
+
+def lower_model(cfg, B: int, T: int, *, reps: int) -> dict:
+    """Trace and lower the trainer's step of a `ModelConfig` for CUDA (median seconds, custom calls)."""
+    import jax  # noqa: PLC0415
+
+    step, state, batch = abstract_train_step(cfg, B, T)
     trace_s, lower_s = [], []
     for _ in range(reps):
         jax.clear_caches()

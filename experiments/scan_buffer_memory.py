@@ -63,13 +63,9 @@ def _with_scan(scan: str):
     return mock.patch.object(residuals, "scan_source_buffer", _checkpointed)
 
 
-def _batch(batch: int, seq_len: int, abstract: bool):
+def _batch(batch: int, seq_len: int):
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    if abstract:
-        spec = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype)  # noqa: E731
-        return {"inputs": spec("int32"), "targets": spec("int32"), "segment_ids": spec("int32"),
-                "positions": spec("int32"), "loss_mask": spec("bool")}
     tokens = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, 259)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((batch, seq_len), jnp.int32),
             "positions": jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)),
@@ -79,24 +75,12 @@ def _batch(batch: int, seq_len: int, abstract: bool):
 def compiled_temp_gib(cfg, batch: int, seq_len: int, scan: str) -> float:
     """Temporary memory of the compiled train step on abstract parameters (GiB)."""
     import jax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
 
-    from k3jax.models.lm import LanguageModel  # noqa: PLC0415
-    from k3jax.train.config import TrainConfig  # noqa: PLC0415
-    from k3jax.train.optimizer import make_optimizer  # noqa: PLC0415
-    from k3jax.train.step import train_step  # noqa: PLC0415
-
-    def build():
-        model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    from experiments.lowering_time import abstract_train_step  # noqa: PLC0415
+    step, state, abstract_batch = abstract_train_step(cfg, batch, seq_len)
     jax.clear_caches()  # the other scan's trace must not be reused
-
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        return train_step(model, optimizer, batch), nnx.state((model, optimizer))
     with _with_scan(scan):
-        compiled = jax.jit(step).lower(state, _batch(batch, seq_len, abstract=True)).compile()
+        compiled = jax.jit(step).lower(state, abstract_batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**30
 
 
@@ -112,7 +96,7 @@ def timed_steps(cfg, batch: int, seq_len: int, scan: str, steps: int) -> dict:
     jax.clear_caches()  # bind_train_step's jit keys on the graph: the other scan's executable must not be reused
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     step = bind_train_step(model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param))
-    data = _batch(batch, seq_len, abstract=False)
+    data = _batch(batch, seq_len)
     with _with_scan(scan):
         start = time.perf_counter()
         metrics = jax.device_get(step(data))

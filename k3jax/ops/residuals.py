@@ -311,7 +311,7 @@ def _scan_source_buffer_bwd(step, first_slot, res, cts):
         x, slot, partial, ct_y_float = inputs
         x_step = jax.tree.unflatten(x_tree, x)
         rebuilt = _rebuilt(final, first, partial, slot)
-        (_, y), pullback = jax.vjp(lambda b, xx, *c: step(b, xx, *c), rebuilt, x_step, *consts)
+        (_, y), pullback = jax.vjp(step, rebuilt, x_step, *consts)
         it = iter(ct_y_float)
         ct_y = [next(it) if f else _float0_like(l) for f, l in zip(y_float, jax.tree.leaves(y))]
         ct_b, ct_x, *ct_c = pullback((ct_buffer, jax.tree.unflatten(y_tree, ct_y)))
