@@ -11,8 +11,8 @@ period's buffer from them. The reference is what the model ran before and what t
 Per row (variant, scan): the compiled train step's temporary memory (`memory_analysis()` of the trainer's
 step, compiled for this host's backend) at the depth sweep's GPU shape (experiments/gpu_checks/depth_gpu.sh:
 32 layers, d 512, 8 heads, 16 x 1024 tokens, bf16), and the median step time and loss of --steps steps at a
-smaller shape (--time_*: d 64, 4 heads, 8 x 64 tokens, fp32, as the CPU depth study). PreNorm (no buffer) is
-the reference row. Writes <out>.json and <out>.md.
+smaller shape (--time_*: d 64, 4 heads, 8 x 64 tokens, fp32, as the CPU depth study; on a GPU, pass the
+memory shape and bfloat16). PreNorm (no buffer) is the reference row. Writes <out>.json and <out>.md.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _define_flags():
     flags.DEFINE_integer("time_num_heads", 4, "Attention heads of the timed rows (head_dim = d_model / heads).")
     flags.DEFINE_integer("time_batch", 8, "Sequences per step of the timed rows.")
     flags.DEFINE_integer("time_seq_len", 64, "Tokens per sequence of the timed rows.")
+    flags.DEFINE_enum("time_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the timed rows.")
     flags.DEFINE_bool("tiny", False, "Smoke sizes: 2 layers, d 32, 2 x 32 tokens, 2 steps.")
     flags.DEFINE_string("out", "/tmp/k3jax_scan_buffer_memory/scan_buffer_memory", "Output prefix (.json/.md).")
 
@@ -118,7 +119,7 @@ def main(argv):
     tiny = dict(d_model=32, num_heads=2, batch=2, seq_len=32, dtype="float32")
     mem_shape = tiny if FLAGS.tiny else dict(d_model=512, num_heads=8, batch=16, seq_len=1024, dtype="bfloat16")
     time_shape = tiny if FLAGS.tiny else dict(d_model=FLAGS.time_d_model, num_heads=FLAGS.time_num_heads,
-                                              batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype="float32")
+                                              batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype=FLAGS.time_dtype)
     rows = []
     for variant in FLAGS.variants:
         for scan in (SCANS if variant != "prenorm" else SCANS[:1]):

@@ -2,7 +2,8 @@
 # GPU check of the Pallas depth-attention kernels (issue 26), on one H200, from the repository root of the
 # device copy:  bash experiments/gpu_checks/depth_attention.sh
 # 1. pytest -m gpu: the compiled kernel tests (tests/pallas_kernels/depth_attention) and the model's
-#    Pallas-vs-XLA depth mixes (unrolled and scanned). Log: $OUT_DIR/depth_attention_gpu_tests_h200.log.
+#    Pallas-vs-XLA depth mixes (unrolled and scanned); then every test of tests/k3jax/ops/test_residuals.py
+#    compiled for the GPU (the kept-buffers scan). Log: $OUT_DIR/depth_attention_gpu_tests_<h100|h200>.log.
 # 2. (BENCH=1) experiments.bench_depth_attention: the whole stack's depth mixes, xla vs pallas, at K3-small
 #    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_h200.{json,md}.
 # 3. (TRAIN_SHAPE set, e.g. k3_small) experiments.bench_train --shape=$TRAIN_SHAPE --rows=$TRAIN_ROWS
@@ -23,7 +24,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then $PY -m pip install -q --no-deps .wh
 XDIST=()
 if $PY -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); fi
 rc=0
-LOG="$OUT_DIR/depth_attention_gpu_tests_h200.log"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
+LOG="$OUT_DIR/depth_attention_gpu_tests_${CARD:-gpu}.log"
 if [ "$TESTS" = 1 ]; then
 {
   echo "# $(date -u +%FT%TZ) $PY -m pytest -q ${XDIST[*]} -m gpu tests/pallas_kernels/depth_attention tests/k3jax/models/test_scan_layers.py"
@@ -32,6 +34,11 @@ if [ "$TESTS" = 1 ]; then
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo '(no git)')"
   $PY -m pytest -q "${XDIST[@]}" -m gpu tests/pallas_kernels/depth_attention tests/k3jax/models/test_scan_layers.py \
     -rs --durations=10 -p no:cacheprovider
+  first=$?
+  echo "# $PY -m pytest -q tests/k3jax/ops/test_residuals.py (every test, on the GPU backend)"
+  $PY -m pytest -q "${XDIST[@]}" tests/k3jax/ops/test_residuals.py -rs --durations=5 -p no:cacheprovider
+  second=$?
+  exit $(( first != 0 ? first : second ))
 } 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 fi

@@ -173,7 +173,8 @@ class TestInterpret(DepthAttentionTests):
     # Left to `make test-full`: one source (its weight is 1, its w and gamma gradients 0), one or all five
     # valid slots (3 both mixes and masks), the middle loss scale.
     full_tier = ("test_sequence_forward_and_grads[1]", "test_buffer_static_and_traced_num_valid[1]",
-                 "test_buffer_static_and_traced_num_valid[5]", "test_loss_scales[0.000244140625]")
+                 "test_buffer_static_and_traced_num_valid[5]", "test_loss_scales[0.000244140625]",
+                 "test_buffer_of_max_slots[1]")
 
     def test_tile_edges(self):
         """Token tiles of 4 at D = 16 (64-element tiles), two backward programs: 1 token (a tile of 1),
@@ -192,6 +193,25 @@ class TestInterpret(DepthAttentionTests):
                 out, weights = R.depth_attention(srcs, q, jnp.ones_like(q), return_weights=True, implementation="xla")
                 return jnp.sum(out * (1 + jnp.arange(d))) + jnp.sum(weights[0])
             self._check(loss_p, loss_x, (srcs, q), jnp.float32, (0, 1))
+
+    @pytest.mark.parametrize("num_valid", [1, 17, 32])
+    def test_buffer_of_max_slots(self, num_valid):
+        """A [MAX_SLOTS, ...] buffer with a traced num_valid, the scanned model's call: the unrolled slot loop
+        at its largest. Interpret mode only: the compiled kernels at this size have not run on a GPU."""
+        from pallas_kernels.depth_attention.api import MAX_SLOTS
+        shape, dtype = self.shapes[-1], jnp.float32
+        srcs, w, gamma = _inputs(13, MAX_SLOTS, shape, dtype, query_scale=0.05)
+        buf = jnp.stack(srcs)
+        rng = np.random.default_rng(6)
+        ct = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        ct_w = jnp.asarray(rng.standard_normal((MAX_SLOTS, *shape[:-1])), jnp.float32)
+        n = jnp.int32(num_valid)
+        loss_p = _loss(lambda *a: self._pallas(*a, num_valid=n), ct, ct_w, 1.0)
+        loss_x = _loss(lambda *a: self._xla(*a, num_valid=n), ct, ct_w, 1.0)
+        self._check(loss_p, loss_x, (buf, w, gamma), dtype, (0, 1, 2))
+        _, weights = jax.jit(lambda b: self._pallas(b, w, gamma, num_valid=n))(buf)
+        assert np.all(np.asarray(weights[num_valid:]) == 0.0)
+        assert float(jnp.min(weights[:num_valid])) > 0.0
 
     def test_bad_calls_raise(self):
         srcs, w, gamma = _inputs(0, 2, (2, 3, 8), jnp.float32)
@@ -212,6 +232,7 @@ class TestInterpret(DepthAttentionTests):
         with pytest.raises(ValueError, match="sequence"):
             R.depth_attention_carry(srcs, w, gamma)
         assert supported(33, 8, jnp.float32)[0] is False
+        assert supported(32, 8, jnp.float32) == (True, "")
         assert supported(4, 9000, jnp.bfloat16)[0] is False
         assert supported(4, 768, jnp.bfloat16) == (True, "")
 
