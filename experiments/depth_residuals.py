@@ -87,7 +87,7 @@ def _define_flags():
     flags.DEFINE_bool("scan_layers", False, "model.scan_layers (compile time independent of depth) for every "
                       "variant but article_block, which has no scanned form and stays unrolled. Without --remat it costs memory: at "
                       "32 layers, d 512 the step needed 20.7 GiB (prenorm; 11.1 unrolled), 30.1 (block_attnres), "
-                      "> 65 (full_attnres) (results/depth_gpu_L32_h100.md).")
+                      "> 65 (full_attnres) (results/depth_gpu_h100.md).")
     flags.DEFINE_enum("remat", "none", ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                       "model.remat of the scanned layers (needs --scan_layers; article_block, always unrolled, gets "
                       "none). With AttnRes, 'full' keeps two buffers, not one per layer "
@@ -535,7 +535,8 @@ def make_plots(groups: list[dict], out: str) -> list[str]:
         for g in (g for g in groups if g["num_layers"] == depth):
             steps = [p["step"] for p in g["runs"][0]["val_curve"]]
             losses = np.array([[p["val_loss"] for p in r["val_curve"]] for r in g["runs"]])
-            ax.plot(steps, losses.mean(0), color=colors[g["variant"]], label=g["variant"], marker="o", ms=3)
+            ax.plot(steps, losses.mean(0), color=colors[g["variant"]], label=group_label(g), marker="o", ms=3,
+                    linestyle="-" if g.get("token_multiplier", 1.0) == 1.0 else "--")
             ax.fill_between(steps, losses.min(0), losses.max(0), color=colors[g["variant"]], alpha=0.2)
         ax.set(title=f"{depth} layers", xlabel="step", ylabel="val loss (nats/token)")
         ax.legend()
@@ -547,7 +548,8 @@ def make_plots(groups: list[dict], out: str) -> list[str]:
         for ax, depth in zip(axes, depths):
             for g in (g for g in groups if g["num_layers"] == depth):
                 values = np.array([r["diagnostics"][key] for r in g["runs"]]).mean(0)
-                ax.plot(np.arange(len(values)), values, color=colors[g["variant"]], label=g["variant"])
+                ax.plot(np.arange(len(values)), values, color=colors[g["variant"]], label=group_label(g),
+                        linestyle="-" if g.get("token_multiplier", 1.0) == 1.0 else "--")
             ax.set(title=f"{depth} layers", xlabel="sublayer l", ylabel=ylabel)
             if log:
                 ax.set_yscale("log")

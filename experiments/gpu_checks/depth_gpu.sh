@@ -15,7 +15,12 @@
 # buffer saved per layer): EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full"
 # SEEDS=0,1,2 PARALLEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (2026-12-06, H100: 39.6 GiB with the checkpointed
 # scan of then, so one run per card; ~276 s a run, two calls for three seeds; main's scan_source_buffer needs less,
-# not measured on a GPU: results/scan_buffer_memory_cpu.md). Then DEPTHS=24 NAME=depth_gpu_L24.
+# not measured on a GPU: results/scan_buffer_memory_cpu.md).
+# 24 layers (2026-12-06, H100, results/depth_gpu_h100.md): DEPTHS=24 NAME=depth_gpu_L24 WORKDIR=runs/depth_gpu_L24
+# EXTRA="--scan_layers --remat=full" PARALLEL=4: every variant but full_attnres (its 49-source mixes run on XLA,
+# the kernels take 32), 75-101 s a run at 4 per card (3.3-4.1 GiB device peak; the article's unrolled 8.4), 15
+# runs in two calls (~390 s), then the timing pass. Return results as one tarball of $OUT_DIR without the run
+# folders (a device call brings back few files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}

@@ -210,7 +210,7 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
 
     A scan saves its carry at every step for the backward pass: with Block AttnRes's buffer
     `[N + 1, B, T, D]` carried over G steps that is G buffers (Full AttnRes at 32 layers, d 512,
-    16 × 1024 tokens, bf16: 32 GiB of the step's 39.6 on an H100, `experiments/results/depth_gpu_L32_h100.md`).
+    16 × 1024 tokens, bf16: 32 GiB of the step's 39.6 on an H100, `experiments/results/depth_gpu_h100.md`).
     Here the forward keeps the first buffer, the final one, and per step the slot that step starts
     adding to; the backward rebuilds step g's buffer exactly from them and recomputes the step (as remat
     "full" does): slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved
