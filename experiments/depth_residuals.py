@@ -213,9 +213,10 @@ def timing_run(settings: Settings, variant: str, num_layers: int, steps: int, wo
 
 
 def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: list[int], workdir: str,
-                     token_multiplier: float = 1.0) -> dict:
+                     token_multiplier: float = 1.0, *, isolated: bool = True, parallel: int = 1) -> dict:
     """Train `variant` at `num_layers` for each seed (in this process) and return raw results; `settings`
-    already carries the steps of `token_multiplier` (recorded in the result)."""
+    already carries the steps of `token_multiplier` (recorded in the result), `isolated` whether this process
+    runs this group only (its peak memory is the group's), `parallel` how many such processes shared the device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -269,7 +270,8 @@ def run_config_group(settings: Settings, variant: str, num_layers: int, seeds: l
             "settings": dataclasses.asdict(settings), "seeds": seeds, "runs": runs,
             "group_wall_seconds": time.time() - group_start,
             "rss_baseline_mib": rss_baseline, "rss_peak_mib": _rss_mib(),
-            "device_peak_bytes": _device_peak_bytes(), "platform": jax.local_devices()[0].platform}
+            "device_peak_bytes": _device_peak_bytes(), "platform": jax.local_devices()[0].platform,
+            "isolated": isolated, "workers_sharing_device": parallel}
 
 
 def _group_stem(variant: str, num_layers: int, token_multiplier: float = 1.0) -> str:
@@ -322,10 +324,25 @@ def merge_groups(groups: list[dict]) -> list[dict]:
         m["runs"] = sorted(m["runs"] + g["runs"], key=lambda r: r["seed"])
         m["seeds"] = [r["seed"] for r in m["runs"]]
         m["group_wall_seconds"] += g["group_wall_seconds"]
-        for k in ("rss_peak_mib", "device_peak_bytes"):
+        for k in ("rss_peak_mib", "device_peak_bytes", "workers_sharing_device"):
             if g.get(k) is not None:
                 m[k] = max(m.get(k) or 0, g[k])
+        m["isolated"] = m.get("isolated", True) and g.get("isolated", True)
     return list(merged.values())
+
+
+def _header_facts(groups: list[dict], rows: list[dict], sweep: dict) -> dict:
+    """What the markdown header may say of all rows at once: seeds per cell, settings that differ between
+    groups (beyond the PreNorm ×m rows' steps), whether every peak is one config's own process, and how many
+    workers shared the device at most (per result; results that predate the field: the sweep's --parallel)."""
+    counts = sorted({r["seeds"] for r in rows})
+    seeds = (f"{counts[0]} seed{'s' if counts[0] != 1 else ''} per cell" if len(counts) == 1
+             else f"{counts[0]}–{counts[-1]} seeds per cell")
+    settings = [_full_settings(g["settings"]) for g in groups]
+    differ = sorted(k for k in settings[0] if k != "steps" and len({json.dumps(x[k]) for x in settings}) > 1)
+    workers = max(g.get("workers_sharing_device") or sweep.get("parallel", 1) for g in groups)
+    return {"seeds": seeds, "differ": differ, "isolated": all(g.get("isolated", True) for g in groups),
+            "workers": workers}
 
 
 def run_sweep(settings: Settings, variants, depths, seeds, *, workdir: str, isolate: bool = True,
@@ -370,9 +387,9 @@ def run_sweep(settings: Settings, variants, depths, seeds, *, workdir: str, isol
                 return old
         if isolate:
             spec = {"settings": dataclasses.asdict(s), "variant": variant, "num_layers": num_layers,
-                    "token_multiplier": m, "seeds": chunk, "workdir": workdir, "out": path}
+                    "token_multiplier": m, "seeds": chunk, "workdir": workdir, "out": path, "parallel": parallel}
             return _run_isolated(spec, parallel, cache_dir)
-        group = run_config_group(s, variant, num_layers, chunk, workdir, m)
+        group = run_config_group(s, variant, num_layers, chunk, workdir, m, isolated=False)
         with open(path, "w") as f:
             json.dump(group, f)
         return group
@@ -593,7 +610,8 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
     plots = make_plots(groups, out)
     s = groups[0]["settings"]
     m = doc["machine"]
-    md = [f"# Depth residual schemes (issue 6): {m['date_utc']}", "",
+    facts = _header_facts(groups, rows, sweep or {})
+    md = [f"# Depth residual schemes (issues 6, 27): {m['date_utc']}", "",
           f"Machine: {m['platform']}, {m['cpu_count']} CPUs, devices {m['devices']}; jax {m['versions']['jax']}, "
           f"flax {m['versions']['flax']}. Raw numbers: `{os.path.basename(out)}.json`.", "",
           f"Setting: byte LM on `{s['source']}`, attention mixers + SwiGLU, d_model {s['d_model']}, "
@@ -602,14 +620,18 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           f"{s['dtype']}{'; layers scanned (model.scan_layers; article_block unrolled)' if s.get('scan_layers') else ''}"
           f"{'; remat ' + s['remat'] if s.get('remat', 'none') != 'none' else ''}; "
           f"validation = first {s['eval_batches']} batches of the validation split; "
-          f"{rows[0]['seeds']} seeds per cell, seed s gives every variant the same init RNG and the same token "
+          f"{facts['seeds']}, seed s gives every variant the same init RNG and the same token "
           "order. Mean ± sample std over seeds; Δ = paired (same seed) val-loss difference to prenorm. "
           "N = blocks (block_attnres: sublayer blocks; article_block: layer blocks; full_attnres: N = L). "
-          f"Peak memory: {rows[0]['memory_kind']} of the config's own process (base = RSS before any model; "
-          "CPU RSS includes the runtime and XLA compilation)."
-          + (f" {sweep['parallel']} workers shared the device: tokens/s is each run's share; 'tokens/s alone' is "
-             f"each variant trained alone for {sweep.get('timing_steps')} steps (seed 0)." if (sweep or {}).get(
-                 "parallel", 1) > 1 else "")
+          + (f"**Settings differ between rows** in {', '.join(facts['differ'])} (each group's settings: the "
+             "JSON). " if facts["differ"] else "")
+          + f"Peak memory: {rows[0]['memory_kind']} "
+          + ("of the config's own process" if facts["isolated"] else
+             "of the one process that ran the configs in turn (a running maximum, not each config's own)")
+          + " (base = RSS before any model; CPU RSS includes the runtime and XLA compilation)."
+          + (f" Up to {facts['workers']} workers shared the device: tokens/s is each run's share; 'tokens/s "
+             f"alone' is each variant trained alone for {timing[0]['steps'] if timing else '?'} steps (seed 0)."
+             if facts["workers"] > 1 else "")
           + (" PreNorm-compute equivalent: the PreNorm token multiplier reaching the variant's val loss, per seed "
              "from the fit a + b·ln(m) through PreNorm's multipliers, mean ± std." if any(
                  g.get("token_multiplier", 1.0) != 1.0 for g in groups) else ""), "",
@@ -634,7 +656,8 @@ def main(argv):
                                spec["timing_steps"], spec["workdir"])
         else:
             group = run_config_group(Settings(**spec["settings"]), spec["variant"], spec["num_layers"],
-                                     spec["seeds"], spec["workdir"], spec.get("token_multiplier", 1.0))
+                                     spec["seeds"], spec["workdir"], spec.get("token_multiplier", 1.0),
+                                     parallel=spec.get("parallel", 1))
         with open(spec["out"] + ".tmp", "w") as f:    # atomic: a killed worker leaves no partial result
             json.dump(group, f)
         os.replace(spec["out"] + ".tmp", spec["out"])

@@ -136,6 +136,14 @@ def test_tiny_sweep_writes_one_finite_row_per_variant(tmp_path):
     assert sum(line.startswith(f"| {v} |") for v in dr.VARIANTS for line in table.splitlines()) == 4
     for suffix in ("val_loss", "cosine", "hidden_rms", "depth_weights"):
         assert os.path.getsize(f"{out}_{suffix}.png") > 0
+    # the header says only what holds for every row: one process ran all configs (isolate=False), one seed
+    assert "1 seed per cell" in table and "running maximum" in table
+    assert "Settings differ" not in table and "workers shared" not in table
+    groups[1]["settings"] = {**groups[1]["settings"], "scan_layers": False}
+    groups[2]["workers_sharing_device"] = 4
+    dr.write_outputs(groups, out)
+    table = open(out + ".md").read()
+    assert "**Settings differ between rows** in scan_layers " in table and "Up to 4 workers shared" in table
 
 
 def test_qb_fixed_point_and_stationary_stream():
