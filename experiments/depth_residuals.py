@@ -196,6 +196,12 @@ def group_key(group: dict) -> tuple:
     return group["variant"], group["num_layers"], group.get("token_multiplier", 1.0)
 
 
+def _line_style(group: dict):
+    """Solid for a variant's own row; PreNorm ×m rows share its colour, each multiplier its own dash."""
+    m = group.get("token_multiplier", 1.0)
+    return "-" if m == 1.0 else ("--", ":", "-.", (0, (3, 1, 1, 1)))[round(4 * m) % 4]
+
+
 def group_label(group: dict) -> str:
     m = group.get("token_multiplier", 1.0)
     return group["variant"] if m == 1.0 else f"{group['variant']} ×{m:g} tokens"
@@ -553,7 +559,7 @@ def make_plots(groups: list[dict], out: str) -> list[str]:
             steps = [p["step"] for p in g["runs"][0]["val_curve"]]
             losses = np.array([[p["val_loss"] for p in r["val_curve"]] for r in g["runs"]])
             ax.plot(steps, losses.mean(0), color=colors[g["variant"]], label=group_label(g), marker="o", ms=3,
-                    linestyle="-" if g.get("token_multiplier", 1.0) == 1.0 else "--")
+                    linestyle=_line_style(g))
             ax.fill_between(steps, losses.min(0), losses.max(0), color=colors[g["variant"]], alpha=0.2)
         ax.set(title=f"{depth} layers", xlabel="step", ylabel="val loss (nats/token)")
         ax.legend()
@@ -566,7 +572,7 @@ def make_plots(groups: list[dict], out: str) -> list[str]:
             for g in (g for g in groups if g["num_layers"] == depth):
                 values = np.array([r["diagnostics"][key] for r in g["runs"]]).mean(0)
                 ax.plot(np.arange(len(values)), values, color=colors[g["variant"]], label=group_label(g),
-                        linestyle="-" if g.get("token_multiplier", 1.0) == 1.0 else "--")
+                        linestyle=_line_style(g))
             ax.set(title=f"{depth} layers", xlabel="sublayer l", ylabel=ylabel)
             if log:
                 ax.set_yscale("log")

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas depth-attention kernels (issue 26), on one H200, from the repository root of the
+# GPU check of the Pallas depth-attention kernels (issue 26), on one H100 or H200, from the repository root of the
 # device copy:  bash experiments/gpu_checks/depth_attention.sh
 # 1. pytest -m gpu: the compiled kernel tests (tests/pallas_kernels/depth_attention) and the model's
 #    Pallas-vs-XLA depth mixes (unrolled and scanned); then every test of tests/k3jax/ops/test_residuals.py
 #    compiled for the GPU (the kept-buffers scan). Log: $OUT_DIR/depth_attention_gpu_tests_<h100|h200>.log.
 # 2. (BENCH=1) experiments.bench_depth_attention: the whole stack's depth mixes, xla vs pallas, at K3-small
-#    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_h200.{json,md}.
+#    and 1b (SWEEP=1: and the op alone under a few Tuning values): $OUT_DIR/depth_attention_<h100|h200>.{json,md}.
 # 3. (TRAIN_SHAPE set, e.g. k3_small) experiments.bench_train --shape=$TRAIN_SHAPE --rows=$TRAIN_ROWS
 #    ($TRAIN_ARGS appended): $OUT_DIR/train_step_$TRAIN_SHAPE.{json,md}.
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results: set it, or the run overwrites the
@@ -45,7 +45,7 @@ fi
 if [ "$BENCH" = 1 ]; then
   SWEEP_FLAG=()
   if [ "${SWEEP:-0}" = 1 ]; then SWEEP_FLAG=(--sweep); fi
-  $PY -m experiments.bench_depth_attention "${SWEEP_FLAG[@]}" --out "$OUT_DIR/depth_attention_h200" 2>&1 | tail -40
+  $PY -m experiments.bench_depth_attention "${SWEEP_FLAG[@]}" --out "$OUT_DIR/depth_attention_${CARD:-gpu}" 2>&1 | tail -40
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
 fi
 if [ -n "${TRAIN_SHAPE:-}" ]; then

@@ -18,7 +18,7 @@
 # not measured on a GPU: results/scan_buffer_memory_cpu.md).
 # 24 layers (2026-12-06, H100, results/depth_gpu_h100.md): DEPTHS=24 NAME=depth_gpu_L24 WORKDIR=runs/depth_gpu_L24
 # EXTRA="--scan_layers --remat=full" PARALLEL=4: every variant but full_attnres (its 49-source mixes run on XLA,
-# the kernels take 32), 75-101 s a run at 4 per card (3.3-4.1 GiB device peak; the article's unrolled 8.4), 15
+# the kernels take 32), 24-101 s a run at 4 per card (3.2-4.0 GiB device peak; the article's unrolled 8.4), 15
 # runs in two calls (~390 s), then the timing pass. Return results as one tarball of $OUT_DIR without the run
 # folders (a device call brings back few files).
 set -uo pipefail
