@@ -9,10 +9,10 @@ fixes both the parameter init and grain's shuffle, so variants differ only in th
       --workdir=runs/depth_residuals_L32 --out=experiments/results/depth_residuals_L32
   python -m experiments.depth_residuals --variants=prenorm --steps=188 \
       --workdir=runs/depth_residuals_1p25x --out=experiments/results/depth_residuals_prenorm_1p25x
-  python -m experiments.depth_residuals --depths=32 --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 \
-      --seq_len=1024 --batch_size=16 --steps=600 --dtype=bfloat16 --token_multipliers=1.25,1.5 \
-      --parallel=6 --split_seeds --timing_steps=40 --compilation_cache_dir=/tmp/jax_cache   # one H200 (issue 27)
-  python -m experiments.depth_residuals --merge=a.json,b.json --out=...   # sweeps of other seeds, one table
+  python -m experiments.depth_residuals --depths=24 --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 \
+      --seq_len=1024 --batch_size=16 --steps=300 --dtype=bfloat16 --token_multipliers=1.25,1.5 --scan_layers \
+      --remat=full --parallel=4 --split_seeds --timing_steps=40   # issue 27 on one H100: gpu_checks/depth_gpu.sh
+  python -m experiments.depth_residuals --merge=a.json,b.json --out=...   # other seeds or variants, one table
 
 PreNorm at `--token_multipliers` × the steps (same schedule shape, the same warmup) gives the loss-vs-tokens
 curve from which each variant's compute-equivalent multiplier is read: per seed, the fit
@@ -66,8 +66,8 @@ def _define_flags():
     """The command-line flags, defined only when run as a script: the tests import this module next to
     other experiment scripts whose absl flags share names (--variants, --out, --seeds)."""
     flags.DEFINE_list("variants", list(VARIANTS), f"Residual schemes, from {VARIANTS}.")
-    flags.DEFINE_list("depths", ["16", "6"], "Transformer layers per model (each = 2 sublayers); the "
-                      "issue's full setting is 32,12 (see the module docstring).")
+    flags.DEFINE_list("depths", ["16", "6"], "Transformer layers per model (each = 2 sublayers); issue 27's "
+                      "GPU sweep ran 24 and 32 (experiments/gpu_checks/depth_gpu.sh).")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (init + data order); same per variant.")
     flags.DEFINE_integer("d_model", 64, "Hidden size D.")
     flags.DEFINE_integer("num_heads", 4, "Attention heads.")
@@ -335,6 +335,49 @@ def merge_groups(groups: list[dict]) -> list[dict]:
                 m[k] = max(m.get(k) or 0, g[k])
         m["isolated"] = m.get("isolated", True) and g.get("isolated", True)
     return list(merged.values())
+
+
+def _parse_list(name: str, values, kind, minimum=None) -> list:
+    """A list flag's values as `kind`; ValueError naming --`name` for a value that does not parse or is below
+    `minimum`."""
+    out = []
+    for v in values:
+        try:
+            x = kind(v)
+        except ValueError:
+            raise ValueError(f"--{name} takes {kind.__name__} values, got {v!r}") from None
+        if minimum is not None and x < minimum:
+            raise ValueError(f"--{name} values must be >= {minimum}, got {x}")
+        out.append(x)
+    return out
+
+
+def merge_docs(docs: list[dict], names: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """Result JSONs of several sweeps as one: (groups, timing, sweep). Groups as `merge_groups`; the timing
+    runs of every document, the first of each (variant, depth) kept; the sweep block of the first document with
+    the union of variants, depths and seeds, the largest --parallel and the documents' names and machines.
+
+    Raises:
+      ValueError: documents from different device kinds (their `machine.devices`), or `merge_groups`'s.
+    """
+    kinds = {json.dumps(d["machine"]["devices"]) for d in docs}
+    if len(kinds) > 1:
+        raise ValueError(f"merge takes sweeps from one kind of machine, got devices {sorted(kinds)} in {names}")
+    groups = merge_groups([g for d in docs for g in d["groups"]])
+    timing, timed = [], set()
+    for d in docs:
+        for t in d.get("timing") or []:
+            if (t["variant"], t["num_layers"]) not in timed:
+                timed.add((t["variant"], t["num_layers"]))
+                timing.append(t)
+    sweeps = [d.get("sweep") or {} for d in docs]
+
+    def union(key):
+        return sorted({x for sw in sweeps for x in sw.get(key, [])}, key=str)
+    sweep = {**sweeps[0], "variants": union("variants"), "depths": union("depths"), "seeds": union("seeds"),
+             "parallel": max(sw.get("parallel", 1) for sw in sweeps), "merged_from": names,
+             "merged_machines": [d["machine"] for d in docs]}
+    return groups, timing, sweep
 
 
 def _header_facts(groups: list[dict], rows: list[dict], sweep: dict) -> dict:
@@ -625,14 +668,14 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           f"{s['steps']} AdamW steps (× the multiplier for PreNorm ×m rows; peak lr {s['learning_rate']}, {s['warmup_steps']} warmup, cosine), "
           f"{s['dtype']}{'; layers scanned (model.scan_layers; article_block unrolled)' if s.get('scan_layers') else ''}"
           f"{'; remat ' + s['remat'] if s.get('remat', 'none') != 'none' else ''}; "
-          f"validation = first {s['eval_batches']} batches of the validation split; "
+          f"validation = first {s['eval_batches']} batch{'es' if s['eval_batches'] != 1 else ''} of the validation split; "
           f"{facts['seeds']}, seed s gives every variant the same init RNG and the same token "
           "order. Mean ± sample std over seeds; Δ = paired (same seed) val-loss difference to prenorm. "
-          "N = blocks (block_attnres: sublayer blocks; article_block: layer blocks; full_attnres: N = L). "
+          "N = blocks (block_attnres: sublayer blocks; article_block: layer blocks; full_attnres: one per sublayer). "
           + (f"**Settings differ between rows** in {', '.join(facts['differ'])} (each group's settings: the "
              "JSON). " if facts["differ"] else "")
           + f"Peak memory: {rows[0]['memory_kind']} "
-          + ("of the config's own process" if facts["isolated"] else
+          + ("of the config's own process (with split seeds, the largest of its processes)" if facts["isolated"] else
              "of the one process that ran the configs in turn (a running maximum, not each config's own)")
           + " (base = RSS before any model; CPU RSS includes the runtime and XLA compilation)."
           + (f" Up to {facts['workers']} workers shared the device: tokens/s is each run's share; 'tokens/s "
@@ -684,11 +727,8 @@ def main(argv):
         for path in FLAGS.merge:
             with open(path) as f:
                 docs.append(json.load(f))
-        groups = merge_groups([g for d in docs for g in d["groups"]])
-        timing = next((d["timing"] for d in docs if d.get("timing")), [])
-        doc = write_outputs(groups, FLAGS.out, notes=notes, machine=docs[0]["machine"], timing=timing,
-                            sweep={**docs[0]["sweep"], "merged_from": [os.path.basename(p) for p in FLAGS.merge],
-                                   "merged_machines": [d["machine"] for d in docs]})
+        groups, timing, sweep = merge_docs(docs, [os.path.basename(p) for p in FLAGS.merge])
+        doc = write_outputs(groups, FLAGS.out, notes=notes, machine=docs[0]["machine"], timing=timing, sweep=sweep)
         print(markdown_table(doc["rows"]))
         return
     settings = Settings(d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
@@ -699,8 +739,12 @@ def main(argv):
                         remat=FLAGS.remat)
     if FLAGS.remat != "none" and not FLAGS.scan_layers:
         raise ValueError(f"--remat={FLAGS.remat} needs --scan_layers (it applies to the scanned layers)")
-    depths = [int(d) for d in FLAGS.depths]
-    seeds = [int(s) for s in FLAGS.seeds]
+    depths = _parse_list("depths", FLAGS.depths, int, minimum=1)
+    seeds = _parse_list("seeds", FLAGS.seeds, int, minimum=0)
+    _parse_list("token_multipliers", FLAGS.token_multipliers, float)  # > 0: run_sweep's check
+    for name in ("steps", "timing_steps"):
+        if getattr(FLAGS, name) < (1 if name == "steps" else 0):
+            raise ValueError(f"--{name} must be >= {1 if name == 'steps' else 0}, got {getattr(FLAGS, name)}")
     start = time.time()
     groups = run_sweep(settings, FLAGS.variants, depths, seeds, workdir=FLAGS.workdir, isolate=FLAGS.isolate,
                        reuse=FLAGS.reuse, token_multipliers=FLAGS.token_multipliers, parallel=FLAGS.parallel,

@@ -311,6 +311,45 @@ def test_merge_groups_joins_seeds_and_refuses_conflicts():
         dr.scaled_settings(dr.Settings(), 0.0)
 
 
+def test_merge_docs_keeps_every_sweeps_timing_and_refuses_other_machines():
+    """The merge depth_gpu.sh runs for a row added later (Full AttnRes alone): both sweeps' timing rows, the
+    union of seeds and variants; sweeps from different device kinds are refused."""
+    def doc(groups, timing, devices=("cuda:0",), seeds=(0, 1, 2), parallel=1):
+        return {"groups": groups, "timing": timing, "machine": {"devices": list(devices)},
+                "sweep": {"variants": sorted({g["variant"] for g in groups}), "depths": [4], "seeds": list(seeds),
+                          "parallel": parallel}}
+    first = doc([_group("prenorm", [(0, 2.0)]), _group("block_attnres", [(0, 1.9)])],
+                [{"variant": "prenorm", "num_layers": 4, "tokens_per_s": 100.0},
+                 {"variant": "block_attnres", "num_layers": 4, "tokens_per_s": 80.0}], seeds=(0,), parallel=4)
+    later = doc([_group("full_attnres", [(0, 1.95)]), _group("prenorm", [(1, 2.1)])],
+                [{"variant": "full_attnres", "num_layers": 4, "tokens_per_s": 50.0},
+                 {"variant": "prenorm", "num_layers": 4, "tokens_per_s": 999.0}], seeds=(0, 1), parallel=2)
+    groups, timing, sweep = dr.merge_docs([first, later], ["a.json", "b.json"])
+    assert [(t["variant"], t["tokens_per_s"]) for t in timing] == [("prenorm", 100.0), ("block_attnres", 80.0),
+                                                                    ("full_attnres", 50.0)]
+    assert sweep["seeds"] == [0, 1] and sweep["parallel"] == 4 and sweep["merged_from"] == ["a.json", "b.json"]
+    assert sorted(sweep["variants"]) == ["block_attnres", "full_attnres", "prenorm"]
+    assert [g["variant"] for g in groups] == ["prenorm", "block_attnres", "full_attnres"]
+    rows = {r["variant"]: r for r in dr.summary_rows(groups, timing)}
+    assert rows["full_attnres"]["solo_tokens_per_s"] == 50.0
+    assert rows["full_attnres"]["step_time_overhead"] == pytest.approx(100.0 / 50.0 - 1.0)
+    with pytest.raises(ValueError, match="one kind of machine"):
+        dr.merge_docs([first, doc([_group("prenorm", [(2, 2.0)])], [], devices=("cpu:0",))], ["a", "c"])
+
+
+@pytest.mark.parametrize("flag, error", [("--seeds=a", "--seeds takes int values, got 'a'"),
+                                         ("--depths=0", "--depths values must be >= 1"),
+                                         ("--token_multipliers=abc", "--token_multipliers takes float values"),
+                                         ("--steps=0", "--steps must be >= 1"),
+                                         ("--timing_steps=-1", "--timing_steps must be >= 0")])
+def test_depth_sweep_flags_fail_fast_naming_the_flag(tmp_path, flag, error):
+    result = subprocess.run([sys.executable, "-m", "experiments.depth_residuals", flag,
+                             f"--workdir={tmp_path}/w", f"--out={tmp_path}/o"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and error in result.stderr, result.stderr[-2000:]
+    assert not os.path.exists(f"{tmp_path}/w"), "the sweep must not start"
+
+
 def test_compare_profiles_groups_ops_by_kind_of_work(tmp_path):
     """Rows go to the first matching category; the table has one line per category and system; a trace
     without step markers is divided by unmarked_steps."""
