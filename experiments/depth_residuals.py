@@ -610,7 +610,7 @@ def make_plots(groups: list[dict], out: str) -> list[str]:
 
     for key, title, ylabel, log in (("cosine", "cosine(input_l, input_{l+1}) by depth", "cosine", False),
                                      ("hidden_rms", "RMS of each sublayer's input by depth", "RMS", True)):
-        fig, axes = panels(title + " (trained, first validation batch, mean over seeds)")
+        fig, axes = panels(title + "\n(trained, first validation batch, mean over seeds)")
         for ax, depth in zip(axes, depths):
             for g in (g for g in groups if g["num_layers"] == depth):
                 values = np.array([r["diagnostics"][key] for r in g["runs"]]).mean(0)
@@ -675,9 +675,9 @@ def write_outputs(groups: list[dict], out: str, *, notes: str = "", sweep: dict 
           + (f"**Settings differ between rows** in {', '.join(facts['differ'])} (each group's settings: the "
              "JSON). " if facts["differ"] else "")
           + f"Peak memory: {rows[0]['memory_kind']} "
-          + ("of the config's own process (with split seeds, the largest of its processes)" if facts["isolated"] else
-             "of the one process that ran the configs in turn (a running maximum, not each config's own)")
-          + " (base = RSS before any model; CPU RSS includes the runtime and XLA compilation)."
+          + ("of the config's own process (with split seeds, the largest of its processes; " if facts["isolated"] else
+             "of the one process that ran the configs in turn (a running maximum, not each config's own; ")
+          + "base = RSS before any model; CPU RSS includes the runtime and XLA compilation)."
           + (f" Up to {facts['workers']} workers shared the device: tokens/s is each run's share; 'tokens/s "
              f"alone' is each variant trained alone for {timing[0]['steps'] if timing else '?'} steps (seed 0)."
              if facts["workers"] > 1 else "")
