@@ -340,8 +340,8 @@ def test_merge_docs_keeps_every_sweeps_timing_and_refuses_other_machines():
 @pytest.mark.parametrize("flag, error", [("--seeds=a", "--seeds takes int values, got 'a'"),
                                          ("--depths=0", "--depths values must be >= 1"),
                                          ("--token_multipliers=abc", "--token_multipliers takes float values"),
-                                         ("--steps=0", "--steps must be >= 1"),
-                                         ("--timing_steps=-1", "--timing_steps must be >= 0")])
+                                         ("--steps=0", "flag --steps=0: 0 is not a positive integer"),
+                                         ("--timing_steps=-1", "flag --timing_steps=-1: -1 is not a non-negative")])
 def test_depth_sweep_flags_fail_fast_naming_the_flag(tmp_path, flag, error):
     result = subprocess.run([sys.executable, "-m", "experiments.depth_residuals", flag,
                              f"--workdir={tmp_path}/w", f"--out={tmp_path}/o"],
