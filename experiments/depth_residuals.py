@@ -5,6 +5,7 @@ run per (variant, depth, seed); every variant trained with seed s sees the SAME 
 fixes both the parameter init and grain's shuffle, so variants differ only in the residual scheme).
 
   python -m experiments.depth_residuals     # the CPU sweep committed in results/ (16 and 6 layers, 150 steps)
+  # the extra CPU sweeps (their tables are copied into results/depth_residuals.md, one page for the CPU study):
   python -m experiments.depth_residuals --variants=prenorm,block_attnres --depths=32 \
       --workdir=runs/depth_residuals_L32 --out=experiments/results/depth_residuals_L32
   python -m experiments.depth_residuals --variants=prenorm --steps=188 \
