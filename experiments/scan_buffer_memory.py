@@ -28,6 +28,7 @@ SCANS = ("checkpointed", "kept_buffers")  # kept_buffers: the library's scan_sou
 def _define_flags():
     flags.DEFINE_list("variants", ["prenorm", "block_attnres", "full_attnres"],
                       "depth_residuals' variants; prenorm (no buffer) is the reference, checkpointed only.")
+    flags.DEFINE_list("scans", list(SCANS), f"Scans of the AttnRes rows, from {SCANS}.")
     flags.DEFINE_integer("layers", 32, "Transformer layers.")
     flags.DEFINE_integer("steps", 15, "Timed steps per row (after the compiling first step).")
     flags.DEFINE_integer("time_d_model", 64, "d_model of the timed rows.")
@@ -120,9 +121,11 @@ def main(argv):
     mem_shape = tiny if FLAGS.tiny else dict(d_model=512, num_heads=8, batch=16, seq_len=1024, dtype="bfloat16")
     time_shape = tiny if FLAGS.tiny else dict(d_model=FLAGS.time_d_model, num_heads=FLAGS.time_num_heads,
                                               batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype=FLAGS.time_dtype)
+    if not FLAGS.scans or set(FLAGS.scans) - set(SCANS):
+        raise ValueError(f"--scans must name some of {SCANS}, got {FLAGS.scans}")
     rows = []
     for variant in FLAGS.variants:
-        for scan in (SCANS if variant != "prenorm" else SCANS[:1]):
+        for scan in (FLAGS.scans if variant != "prenorm" else SCANS[:1]):
             mem_cfg = _model_config(variant, layers, **mem_shape)
             row = {"variant": variant, "scan": scan, "layers": layers,
                    "temp_gib": compiled_temp_gib(mem_cfg, mem_shape["batch"], mem_shape["seq_len"], scan),
@@ -142,7 +145,7 @@ def main(argv):
     md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
                          [[r["variant"], r["scan"], f"{r['temp_gib']:.3g}", f"{r['median_step_ms']:.1f}",
                            f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
-    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "layers": layers,
+    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "scans": FLAGS.scans, "layers": layers,
                                                            "steps": steps, "memory_shape": mem_shape,
                                                            "time_shape": time_shape}, "rows": rows},
                   "\n".join(md) + "\n")
