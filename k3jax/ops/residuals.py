@@ -214,7 +214,9 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
     Here the forward keeps the first buffer, the final one, and per step the slot that step starts
     adding to; the backward rebuilds step g's buffer exactly from them and recomputes the step (as remat
     "full" does): slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved
-    partial sum, the slots above it still hold the first buffer's.
+    partial sum, the slots above it still hold the first buffer's. The reverse scan carries the rebuilt
+    buffer and changes only those slots from step g + 1's: `first_slot[g + 1] - first_slot[g] + 1` per
+    step, not the whole buffer.
 
     Args:
       body: `(buffer [S, ...], x) -> (buffer, y)`, one step. Step g may write only slots s with
@@ -274,6 +276,20 @@ def _rebuilt(final, first, partial, slot):
     return jnp.where(index < slot, final, jnp.where(index == slot, partial[None], first))
 
 
+def _rebuilt_from_next(seen_next, first, partial, slot, next_slot, width):
+    """Step g's buffer from step g + 1's (`seen_next`, which starts at `next_slot` >= `slot`): slots
+    `slot + 1 .. next_slot` back to `first`, slot `slot` to `partial`. `width` (static) >= next_slot - slot;
+    only a window of `width` slots is read and written."""
+    if width > 0:
+        start = jnp.minimum(slot + 1, seen_next.shape[0] - width)  # the clamp dynamic_update_slice would do
+        window = jax.lax.dynamic_slice_in_dim(seen_next, start, width, 0)
+        index = (start + jnp.arange(width)).reshape((-1,) + (1,) * (seen_next.ndim - 1))
+        restore = (index > slot) & (index <= next_slot)
+        window = jnp.where(restore, jax.lax.dynamic_slice_in_dim(first, start, width, 0), window)
+        seen_next = jax.lax.dynamic_update_slice_in_dim(seen_next, window, start, 0)
+    return jax.lax.dynamic_update_index_in_dim(seen_next, partial.astype(seen_next.dtype), slot, 0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _scan_source_buffer(step, first_slot, consts, buffer, xs):
     final, ys, _ = _scan_forward(step, first_slot, consts, buffer, xs)
@@ -306,23 +322,28 @@ def _scan_source_buffer_bwd(step, first_slot, res, cts):
     y_float = [c.dtype != jax.dtypes.float0 for c in y_leaves]
     c_float = [_is_float(c) for c in consts]
 
+    # step g's buffer is built from step g + 1's; the last step's once, from the final buffer
+    next_slot = np.append(first_slot[1:], first_slot[-1])
+    width = int(np.max(next_slot - np.asarray(first_slot)))
+
     def one(carry, inputs):
-        ct_buffer, ct_consts = carry
-        x, slot, partial, ct_y_float = inputs
+        ct_buffer, ct_consts, seen = carry
+        x, slot, nxt, partial, ct_y_float = inputs
         x_step = jax.tree.unflatten(x_tree, x)
-        rebuilt = _rebuilt(final, first, partial, slot)
-        (_, y), pullback = jax.vjp(step, rebuilt, x_step, *consts)
+        seen = _rebuilt_from_next(seen, first, partial, slot, nxt, width)
+        (_, y), pullback = jax.vjp(step, seen, x_step, *consts)
         it = iter(ct_y_float)
         ct_y = [next(it) if f else _float0_like(l) for f, l in zip(y_float, jax.tree.leaves(y))]
         ct_b, ct_x, *ct_c = pullback((ct_buffer, jax.tree.unflatten(y_tree, ct_y)))
         ct_consts = [a + b for a, b in zip(ct_consts, (c for c, f in zip(ct_c, c_float) if f))]
         ct_x = [c for c, f in zip(jax.tree.leaves(ct_x), x_float) if f]
-        return (ct_b, ct_consts), ct_x
+        return (ct_b, ct_consts, seen), ct_x
 
-    init = (ct_final, [jnp.zeros_like(c) for c, f in zip(consts, c_float) if f])
-    inputs = (x_leaves, jnp.asarray(first_slot, jnp.int32), partials,
+    last = _rebuilt(final, first, partials[-1], first_slot[-1])
+    init = (ct_final, [jnp.zeros_like(c) for c, f in zip(consts, c_float) if f], last)
+    inputs = (x_leaves, jnp.asarray(first_slot, jnp.int32), jnp.asarray(next_slot, jnp.int32), partials,
               [c for c, f in zip(y_leaves, y_float) if f])
-    (ct_buffer, ct_consts), ct_x_float = jax.lax.scan(one, init, inputs, reverse=True)
+    (ct_buffer, ct_consts, _), ct_x_float = jax.lax.scan(one, init, inputs, reverse=True)
     it_c, it_x = iter(ct_consts), iter(ct_x_float)
     ct_consts = [next(it_c) if f else _float0_like(c) for c, f in zip(consts, c_float)]
     ct_xs = jax.tree.unflatten(x_tree, [next(it_x) if f else _float0_like(a) for a, f in zip(x_leaves, x_float)])

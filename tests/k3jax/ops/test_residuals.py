@@ -44,9 +44,11 @@ def _np_sublayer(h, W, scale=0.5):
 
 
 def _sublayers(seed, num, d=D, scale=0.5):
-    """Random PreNorm sublayers f_l(h) = scale · tanh(RMSNorm(h) W_l) (scale-invariant: eps = 0)."""
+    """Random PreNorm sublayers f_l(h) = scale · tanh(RMSNorm(h) W_l) (scale-invariant: eps = 0); the
+    product in IEEE fp32 on every backend (a GPU's default is TF32), as their float64 twins expect."""
     ws = _randn(seed, (num, d, d)) / np.sqrt(d)
-    return [(lambda h, W=ws[l]: (scale * jnp.tanh(_rmsnorm(h) @ W)).astype(h.dtype)) for l in range(num)], ws
+    return [(lambda h, W=ws[l]: (scale * jnp.tanh(jnp.matmul(_rmsnorm(h), W, precision="highest"))).astype(h.dtype))
+            for l in range(num)], ws
 
 
 def _randn(seed, shape, scale=1.0):
@@ -328,6 +330,48 @@ def test_scan_source_buffer_equals_the_checkpointed_scan(num_layers, num_blocks,
     (f0, y0), (f1, y1) = (jax.jit(run, static_argnums=4)(e, xs, gain, ids, fast) for fast in (False, True))
     np.testing.assert_array_equal(f1, f0)
     jax.tree.map(np.testing.assert_array_equal, y1, y0)
+
+
+@pytest.mark.parametrize("first_slot, num_slots", [
+    ([0, 2, 3], 4),        # jumps of 2 and 1: the window at the buffer's end is clamped
+    ([0, 0, 3, 3, 3], 5),  # a jump of 3 after a step that stays; the last step writes every slot above it
+    ([1, 1, 1], 3),        # no jump: the window is empty
+])
+def test_scan_source_buffer_rebuilds_any_slot_pattern(first_slot, num_slots):
+    """The backward's step-by-step rebuild (only the slots between two steps' first slots change) gives
+    the checkpointed scan's gradients for first-slot patterns the model's layouts do not produce."""
+    steps = len(first_slot)
+    nxt = first_slot[1:] + [num_slots - 1]
+    xs = {"w": _randn(60, (steps, num_slots, D), 0.5), "v": _randn(65, (steps, num_slots, D), 0.5),
+          "a": _randn(61, (steps, D)), "b": _randn(62, (steps, D)),
+          "slot": jnp.asarray(first_slot), "next": jnp.asarray(nxt)}
+    buffer = _randn(63, (num_slots, B, T, D))
+    cot = _randn(64, (num_slots, B, T, D)) / (B * T)
+
+    def read(buf, w, upto):  # the slots up to `upto`, weighted per slot and channel
+        w = jnp.where((jnp.arange(num_slots) <= upto)[:, None], w, 0.0)
+        return jnp.tanh(jnp.einsum("sbtd,sd->btd", buf, w, precision="highest"))
+
+    def body(buf, x):  # as a period of the model: read, add to a slot, read the slots above it, add again
+        h = read(buf, x["w"], x["slot"])
+        buf = buf.at[x["slot"]].add(h * x["a"])
+        h2 = read(buf, x["v"], x["next"])
+        buf = buf.at[x["next"]].add(h2 * x["b"])  # the next step's first slot (the last step: the last slot)
+        return buf, jnp.sum(h ** 2 + h2 ** 2, axis=-1)
+
+    def loss(buf, f, fast):
+        xs_ = {**xs, **f}
+        final, ys = (R.scan_source_buffer(body, buf, xs_, first_slot) if fast
+                     else jax.lax.scan(jax.checkpoint(body), buf, xs_))
+        return jnp.sum(final * cot) + jnp.sum(ys) / (B * T)
+
+    floats = {k: xs[k] for k in ("w", "v", "a", "b")}
+    ref = jax.jit(jax.value_and_grad(lambda b, f: loss(b, f, False), argnums=(0, 1)))(buffer, floats)
+    got = jax.jit(jax.value_and_grad(lambda b, f: loss(b, f, True), argnums=(0, 1)))(buffer, floats)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(ref[1]), jax.tree.leaves_with_path(got[1])):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_scan_source_buffer_refuses_bad_first_slots():
