@@ -20,9 +20,10 @@
 # EXTRA="--scan_layers --remat=full" PARALLEL=4: every variant but full_attnres (its 49-source mixes run on XLA,
 # the kernels take 32), 24-101 s a run at 4 per card (3.2-4.0 GiB device peak; the article's unrolled 8.4), 15
 # runs in two calls (~390 s), then the timing pass. Return results as one tarball of $OUT_DIR without the run
-# folders (a device call brings back few files). Not run yet: full_attnres at 24 layers (XLA mixes; memory
-# unmeasured): NAME=depth_gpu_L24_full EXTRA="--variants=full_attnres --token_multipliers= --scan_layers
-# --remat=full" PARALLEL=2, then depth_residuals --merge=results/depth_gpu_L24_h100.json,<its json>.
+# folders (a device call brings back few files). full_attnres at 24 layers (2026-12-06): NAME=depth_gpu_L24_full
+# EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full" PARALLEL=3: 3 runs of 245 s
+# at 3 per card (6.6 GiB device peak) and its timing pass in one call (320 s), then
+# depth_residuals --merge=results/depth_gpu_L24_h100.json,<its json>.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
