@@ -107,9 +107,8 @@ class ResidualConfig:
         units, checked by `ModelConfig`).
       block_unit: what "block_attnres" blocks count: "sublayers" (paper) or "layers" (K3).
         "article_block" always groups whole layers.
-      implementation: of the AttnRes depth mixes: None (the Pallas kernels on an H100/H200 for the
-        unrolled stack; XLA for the scanned stack's buffer, where it was faster, and elsewhere) | "xla" |
-        "pallas" (`k3jax.ops.residuals.depth_attention`).
+      implementation: of the AttnRes depth mixes: None (the Pallas kernels on an H100/H200, XLA
+        elsewhere) | "xla" | "pallas" (`k3jax.ops.residuals.depth_attention`).
     """
 
     kind: str = "prenorm"

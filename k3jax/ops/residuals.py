@@ -34,8 +34,7 @@ products and reductions, no TF32 matmul); outputs are returned in the sources' d
 
 Implementations of the depth mix: "xla" (the jnp code below, autodiff) and "pallas"
 (`pallas_kernels.depth_attention`: one fused kernel forward and one backward that read each valid
-source once / twice; implementation=None picks it on an H100/H200, compiled, for sequences of sources,
-the unrolled stack's calls; the scanned stack's buffer calls stay on XLA, which was faster there).
+source once / twice; implementation=None picks it on an H100/H200, compiled).
 """
 from __future__ import annotations
 
@@ -92,11 +91,9 @@ def depth_attention(sources, pseudo_query, key_norm_scale, *, eps: float = 1e-6,
         via a select and are also selected out of the sum, so they never affect the output; they
         must hold finite values for their (zero) gradient to stay finite: zero-initialise buffers.
       return_weights: also return the depth weights.
-      implementation: None (the Pallas kernels for a sequence of sources where their GPU tests ran:
-        compiled on a CUDA device of compute capability 9.0, for calls
-        `pallas_kernels.depth_attention.supported` covers; "xla" for a stacked array, where the kernels
-        lost on an H100, `experiments/results/depth_gpu_h100.md`, and everywhere else), "xla" or "pallas"
-        (an explicit "pallas" it cannot run raises).
+      implementation: None (the Pallas kernels where their GPU tests ran: compiled on a CUDA device
+        of compute capability 9.0, tested on the H200 only, for calls `pallas_kernels.depth_attention.supported` covers; else
+        "xla"), "xla" or "pallas" (an explicit "pallas" it cannot run raises).
       interpret: run the Pallas kernels in interpret mode (CPU); with implementation=None it keeps the
         dispatch on "xla".
 
@@ -372,9 +369,8 @@ def _choose(implementation, num_sources, sources, interpret) -> str:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; got {implementation=}")
     first = sources[0] if isinstance(sources, list) else sources
     d, dtype = first.shape[-1], first.dtype
-    if implementation is None:  # stacked buffers (the scanned stack): XLA was faster on an H100
-        stacked = not isinstance(sources, list)
-        return "pallas" if not stacked and _pallas_covers(num_sources, d, dtype, interpret) else "xla"
+    if implementation is None:
+        return "pallas" if _pallas_covers(num_sources, d, dtype, interpret) else "xla"
     if implementation == "pallas":
         from pallas_kernels.depth_attention import supported  # noqa: PLC0415
         ok, why = supported(num_sources, d, dtype)
