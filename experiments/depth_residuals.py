@@ -5,11 +5,14 @@ run per (variant, depth, seed); every variant trained with seed s sees the SAME 
 fixes both the parameter init and grain's shuffle, so variants differ only in the residual scheme).
 
   python -m experiments.depth_residuals     # the CPU sweep committed in results/ (16 and 6 layers, 150 steps)
-  # the extra CPU sweeps (their tables are copied into results/depth_residuals.md, one page for the CPU study):
+  # the extra CPU sweeps (their tables are copied into results/depth_residuals.md, one page for the CPU study;
+  # their JSONs are results/depth_residuals_L32.json, _prenorm_1p25x.json, _prenorm_1p5x.json):
   python -m experiments.depth_residuals --variants=prenorm,block_attnres --depths=32 \
-      --workdir=runs/depth_residuals_L32 --out=experiments/results/depth_residuals_L32
+      --workdir=runs/depth_residuals_L32 --out=/tmp/k3jax_depth_residuals/depth_residuals_L32
   python -m experiments.depth_residuals --variants=prenorm --steps=188 \
-      --workdir=runs/depth_residuals_1p25x --out=experiments/results/depth_residuals_prenorm_1p25x
+      --workdir=runs/depth_residuals_1p25x --out=/tmp/k3jax_depth_residuals/depth_residuals_prenorm_1p25x
+  python -m experiments.depth_residuals --variants=prenorm --steps=225 \
+      --workdir=runs/depth_residuals_1p5x --out=/tmp/k3jax_depth_residuals/depth_residuals_prenorm_1p5x
   python -m experiments.depth_residuals --depths=24 --d_model=512 --num_heads=8 --head_dim=64 --d_ff=1536 \
       --seq_len=1024 --batch_size=16 --steps=300 --dtype=bfloat16 --token_multipliers=1.25,1.5 --scan_layers \
       --remat=full --parallel=4 --split_seeds --timing_steps=40   # issue 27 on one H100: gpu_checks/depth_gpu.sh

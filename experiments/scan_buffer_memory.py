@@ -17,6 +17,7 @@ memory shape and bfloat16). PreNorm (no buffer) is the reference row. Writes <ou
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -138,16 +139,19 @@ def main(argv):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = environment(commit=commit)
     md = ["# Scanned AttnRes: two buffers and a slot per period for the backward vs the checkpointed scan", "", environment_line(env), "",
-          f"`python -m experiments.scan_buffer_memory{' --tiny' if FLAGS.tiny else ''}` at {commit or '?'}, "
-          f"{layers} layers, scanned, remat full. Temp memory: the compiled train step's (`memory_analysis`, this "
-          f"host's backend) at d {mem_shape['d_model']} ({mem_shape['num_heads']} heads), {mem_shape['batch']} x "
-          f"{mem_shape['seq_len']} tokens, {mem_shape['dtype']}. Step time: median of {steps} steps after the first "
+          f"`python -m experiments.scan_buffer_memory {' '.join(sys.argv[1:])}` at {commit or '?'}, "
+          f"{layers} layers, scanned, remat full. "
+          + (f"Temp memory: the compiled train step's (`memory_analysis`, this host's backend) at d "
+             f"{mem_shape['d_model']} ({mem_shape['num_heads']} heads), {mem_shape['batch']} x "
+             f"{mem_shape['seq_len']} tokens, {mem_shape['dtype']}. " if FLAGS.memory else
+             "Temp memory: not measured (--nomemory). ")
+          + f"Step time: median of {steps} steps after the first "
           f"at d {time_shape['d_model']} ({time_shape['num_heads']} heads), {time_shape['batch']} x "
           f"{time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
     md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
                          [[r["variant"], r["scan"], f"{r['temp_gib']:.3g}" if r["temp_gib"] is not None else "—", f"{r['median_step_ms']:.1f}",
                            f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
-    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "scans": FLAGS.scans, "layers": layers,
+    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "scans": FLAGS.scans, "memory": FLAGS.memory, "layers": layers,
                                                            "steps": steps, "memory_shape": mem_shape,
                                                            "time_shape": time_shape}, "rows": rows},
                   "\n".join(md) + "\n")

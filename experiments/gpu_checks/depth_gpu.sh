@@ -22,7 +22,7 @@
 # runs in two calls (~390 s), then the timing pass. Return results as one tarball of $OUT_DIR without the run
 # folders (a device call brings back few files). full_attnres at 24 layers (2026-12-06): NAME=depth_gpu_L24_full
 # EXTRA="--variants=full_attnres --token_multipliers= --scan_layers --remat=full" PARALLEL=3: 3 runs of 245 s
-# at 3 per card (6.6 GiB device peak) and its timing pass in one call (320 s), then
+# at 3 per card (6.4 GiB device peak) and its timing pass in one call (320 s), then
 # depth_residuals --merge=results/depth_gpu_L24_h100.json,<its json>.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -215,8 +215,9 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
     adding to; the backward rebuilds step g's buffer exactly from them and recomputes the step (as remat
     "full" does): slots below `first_slot[g]` hold their final values, slot `first_slot[g]` its saved
     partial sum, the slots above it still hold the first buffer's. The reverse scan carries the rebuilt
-    buffer and changes only those slots from step g + 1's: `first_slot[g + 1] - first_slot[g] + 1` per
-    step, not the whole buffer.
+    buffer and rewrites a window of `1 + max_g(first_slot[g + 1] - first_slot[g])` slots per step from
+    step g + 1's, not the whole buffer; so a body that breaks the contract below at step g also corrupts
+    the rebuild of every step before it.
 
     Args:
       body: `(buffer [S, ...], x) -> (buffer, y)`, one step. Step g may write only slots s with

@@ -27,8 +27,8 @@ from pallas_kernels.depth_attention.kernels import Tuning
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # The slot loop is unrolled in the kernels. At 65 slots (Full AttnRes at 32 layers) one compiled GPU test
 # (2 x 1000 tokens, D 2048, bf16, gradients) was killed by a 265-s timeout on an H100 with no output
-# (2026-12-06), so more slots need a looped slot axis. At 32 slots a buffer's fwd+bwd compiles in 57 s and runs
-# 3.6x XLA's time (H100, results/depth_gpu_h100.md); the default keeps buffers on XLA.
+# (2026-12-06), so more slots need a looped slot axis. At 32 slots a buffer's fwd+bwd compiles in 57 s and
+# takes 3.6x XLA's time at d 768 (H100, results/depth_gpu_h100.md).
 MAX_SLOTS = 32
 MAX_D = 8192        # one [1, 8192] fp32 register tile per program at the smallest token tile
 
