@@ -362,8 +362,13 @@ def merge_docs(docs: list[dict], names: list[str]) -> tuple[list[dict], list[dic
     the union of variants, depths and seeds, the largest --parallel and the documents' names and machines.
 
     Raises:
-      ValueError: documents from different device kinds (their `machine.devices`), or `merge_groups`'s.
+      ValueError: a document that is not a sweep's result JSON (no `machine` / `groups` / `sweep`), documents
+        from different device kinds (their `machine.devices`), or `merge_groups`'s.
     """
+    for d, name in zip(docs, names):
+        missing = [k for k in ("machine", "groups", "sweep") if not isinstance(d, dict) or k not in d]
+        if missing or "devices" not in d["machine"]:
+            raise ValueError(f"--merge takes this script's result JSONs; {name} has no {missing or ['machine.devices']}")
     kinds = {json.dumps(d["machine"]["devices"]) for d in docs}
     if len(kinds) > 1:
         raise ValueError(f"merge takes sweeps from one kind of machine, got devices {sorted(kinds)} in {names}")

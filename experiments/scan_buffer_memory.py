@@ -125,6 +125,9 @@ def main(argv):
                                               batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype=FLAGS.time_dtype)
     if not FLAGS.scans or set(FLAGS.scans) - set(SCANS):
         raise ValueError(f"--scans must name some of {SCANS}, got {FLAGS.scans}")
+    scanned = ("prenorm", "block_attnres", "full_attnres")  # article_block has no scanned form
+    if not FLAGS.variants or set(FLAGS.variants) - set(scanned):
+        raise ValueError(f"--variants must name some of {scanned}, got {FLAGS.variants}")
     rows = []
     for variant in FLAGS.variants:
         for scan in (FLAGS.scans if variant != "prenorm" else SCANS[:1]):

@@ -222,9 +222,11 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
     Args:
       body: `(buffer [S, ...], x) -> (buffer, y)`, one step. Step g may write only slots s with
         `first_slot[g] <= s <= first_slot[g + 1]` (any s >= first_slot[g] for the last step): then no
-        slot below a step's first slot changes after it, which the rebuild needs (not checked; the model's
-        block ids never decrease, so its periods satisfy it). It may close over arrays; every closed-over
-        array becomes an argument of the custom VJP (integer ones get float0 cotangents).
+        slot below a step's first slot changes after it, which the rebuild needs. This is not checked: a
+        body that breaks it gets the right values and silently wrong gradients (the model's block ids never
+        decrease, so its periods satisfy it). The backward runs `body` again, so anything random in it
+        must come from `xs` or the closure. It may close over arrays; every closed-over array becomes an
+        argument of the custom VJP (integer ones get float0 cotangents).
       buffer: the initial buffer `[S, ...]` (any float dtype).
       xs: the scanned inputs, a pytree of arrays with leading axis G.
       first_slot: `[G]` ints, non-decreasing (a NumPy array or a sequence; static): the lowest slot
@@ -235,9 +237,11 @@ def scan_source_buffer(body: Callable, buffer: Array, xs, first_slot) -> tuple[A
       `jax.lax.scan(jax.checkpoint(body), buffer, xs)` (`tests/k3jax/ops/test_residuals.py`).
 
     Raises:
-      ValueError: `first_slot` not 1-D of length G, decreasing, or outside `[0, S)`.
+      ValueError: `xs` without arrays; `first_slot` not 1-D of length G, decreasing, or outside `[0, S)`.
     """
     first_slot = np.asarray(first_slot)
+    if not jax.tree.leaves(xs):
+        raise ValueError("xs must hold at least one array with the leading axis G (the number of steps)")
     steps = jax.tree.leaves(xs)[0].shape[0]
     if first_slot.ndim != 1 or first_slot.shape[0] != steps:
         raise ValueError(f"first_slot must be [G] = [{steps}], got shape {first_slot.shape}")

@@ -335,6 +335,8 @@ def test_merge_docs_keeps_every_sweeps_timing_and_refuses_other_machines():
     assert rows["full_attnres"]["step_time_overhead"] == pytest.approx(100.0 / 50.0 - 1.0)
     with pytest.raises(ValueError, match="one kind of machine"):
         dr.merge_docs([first, doc([_group("prenorm", [(2, 2.0)])], [], devices=("cpu:0",))], ["a", "c"])
+    with pytest.raises(ValueError, match=r"--merge takes this script's result JSONs; hand.json has no \['machine'"):
+        dr.merge_docs([first, {"rows": [], "groups": []}], ["a.json", "hand.json"])  # a hand-assembled page's JSON
 
 
 @pytest.mark.parametrize("flag, error", [("--seeds=a", "--seeds takes int values, got 'a'"),

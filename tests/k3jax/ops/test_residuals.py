@@ -383,6 +383,8 @@ def test_scan_source_buffer_refuses_bad_first_slots():
     for bad in ([0, 1, 1], [0, 2, 1, 2], [0, 1, 2, 3], [-1, 0, 0, 0]):
         with pytest.raises(ValueError, match="first_slot"):
             R.scan_source_buffer(body, buffer, xs, bad)
+    with pytest.raises(ValueError, match="xs must hold at least one array"):
+        R.scan_source_buffer(body, buffer, None, [0])
 
 
 @pytest.mark.parametrize("slot", [0, 2, 3, 7, -1])  # 7 is clamped to 3; -1 counts from the end (3)
