@@ -564,8 +564,9 @@ def markdown_table(rows: list[dict]) -> str:
                  f"{r['peak_memory_mib']:,.0f} (base {r['rss_baseline_mib']:,.0f})"]
         if with_eq:
             eq = r.get("compute_equivalent", float("nan"))
+            where = " (extrapolated: worse than PreNorm)" if eq < 1 else " (extrapolated past the largest multiplier)"
             cells.append("—" if math.isnan(eq) else f"{eq:.2f}× ± {r['compute_equivalent_std']:.2f}"
-                         + (" (extrapolated)" if r["compute_equivalent_extrapolated"] else ""))
+                         + (where if r["compute_equivalent_extrapolated"] else ""))
         if with_solo:
             over = r.get("step_time_overhead")
             cells += [f"{r['solo_tokens_per_s']:,.0f}" if r.get("solo_tokens_per_s") else "—",
