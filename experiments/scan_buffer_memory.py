@@ -37,7 +37,8 @@ def _define_flags():
     flags.DEFINE_integer("time_batch", 8, "Sequences per step of the timed rows.")
     flags.DEFINE_integer("time_seq_len", 64, "Tokens per sequence of the timed rows.")
     flags.DEFINE_enum("time_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the timed rows.")
-    flags.DEFINE_bool("memory", True, "Compile each row at the memory shape for its temp memory (--nomemory: times only).")
+    flags.DEFINE_bool("memory", True, "Compile each row at the memory shape for its temp memory "
+                      "(--nomemory: times only).")
     flags.DEFINE_bool("tiny", False, "Smoke sizes: 2 layers, d 32, 2 x 32 tokens, 2 steps.")
     flags.DEFINE_string("out", "/tmp/k3jax_scan_buffer_memory/scan_buffer_memory", "Output prefix (.json/.md).")
 
@@ -152,11 +153,12 @@ def main(argv):
           f"at d {time_shape['d_model']} ({time_shape['num_heads']} heads), {time_shape['batch']} x "
           f"{time_shape['seq_len']} tokens, {time_shape['dtype']}.", ""]
     md += markdown_table(["variant", "scan", "temp GiB", "median step ms", "first step s", "loss"],
-                         [[r["variant"], r["scan"], f"{r['temp_gib']:.3g}" if r["temp_gib"] is not None else "—", f"{r['median_step_ms']:.1f}",
-                           f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
-    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "scans": FLAGS.scans, "memory": FLAGS.memory, "layers": layers,
-                                                           "steps": steps, "memory_shape": mem_shape,
-                                                           "time_shape": time_shape}, "rows": rows},
+                         [[r["variant"], r["scan"], "—" if r["temp_gib"] is None else f"{r['temp_gib']:.3g}",
+                           f"{r['median_step_ms']:.1f}", f"{r['first_step_s']:.1f}", f"{r['loss']:.4f}"] for r in rows])
+    write_results(FLAGS.out, {"environment": env, "flags": {"variants": FLAGS.variants, "scans": FLAGS.scans,
+                                                           "memory": FLAGS.memory, "layers": layers, "steps": steps,
+                                                           "memory_shape": mem_shape, "time_shape": time_shape},
+                              "rows": rows},
                   "\n".join(md) + "\n")
     print(f"wrote {FLAGS.out}.json and {FLAGS.out}.md")
 
