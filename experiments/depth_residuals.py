@@ -751,17 +751,17 @@ def main(argv):
         raise ValueError(f"--remat={FLAGS.remat} needs --scan_layers (it applies to the scanned layers)")
     depths = _parse_list("depths", FLAGS.depths, int, minimum=1)
     seeds = _parse_list("seeds", FLAGS.seeds, int, minimum=0)
-    _parse_list("token_multipliers", FLAGS.token_multipliers, float)  # > 0: run_sweep's check
+    multipliers = _parse_list("token_multipliers", FLAGS.token_multipliers, float)  # > 0: run_sweep's check
     start = time.time()
     groups = run_sweep(settings, FLAGS.variants, depths, seeds, workdir=FLAGS.workdir, isolate=FLAGS.isolate,
-                       reuse=FLAGS.reuse, token_multipliers=FLAGS.token_multipliers, parallel=FLAGS.parallel,
+                       reuse=FLAGS.reuse, token_multipliers=multipliers, parallel=FLAGS.parallel,
                        split_seeds=FLAGS.split_seeds, cache_dir=FLAGS.compilation_cache_dir)
     sweep_wall = time.time() - start
     timing = (run_timing(settings, FLAGS.variants, depths, FLAGS.timing_steps, workdir=FLAGS.workdir,
                          cache_dir=FLAGS.compilation_cache_dir) if FLAGS.timing_steps else [])
     doc = write_outputs(groups, FLAGS.out, notes=notes, timing=timing,
                         sweep={"variants": FLAGS.variants, "depths": depths, "seeds": seeds,
-                               "token_multipliers": [float(m) for m in FLAGS.token_multipliers],
+                               "token_multipliers": multipliers,
                                "isolate": FLAGS.isolate, "parallel": FLAGS.parallel, "split_seeds": FLAGS.split_seeds,
                                "timing_steps": FLAGS.timing_steps, "sweep_wall_seconds": sweep_wall})
     print(markdown_table(doc["rows"]))

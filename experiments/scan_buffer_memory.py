@@ -24,6 +24,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 SCANS = ("checkpointed", "kept_buffers")  # kept_buffers: the library's scan_source_buffer
+SCANNED = ("prenorm", "block_attnres", "full_attnres")  # the variants the model scans
 
 
 def _define_flags():
@@ -41,6 +42,10 @@ def _define_flags():
                       "(--nomemory: times only).")
     flags.DEFINE_bool("tiny", False, "Smoke sizes: 2 layers, d 32, 2 x 32 tokens, 2 steps.")
     flags.DEFINE_string("out", "/tmp/k3jax_scan_buffer_memory/scan_buffer_memory", "Output prefix (.json/.md).")
+    flags.register_validator("scans", lambda v: bool(v) and set(v) <= set(SCANS),
+                             message=f"--scans must name some of {SCANS}")
+    flags.register_validator("variants", lambda v: bool(v) and set(v) <= set(SCANNED),
+                             message=f"--variants must name some of {SCANNED} (article_block has no scanned form)")
 
 
 def _model_config(variant: str, layers: int, d_model: int, num_heads: int, batch: int, seq_len: int, dtype: str):
@@ -124,11 +129,6 @@ def main(argv):
     mem_shape = tiny if FLAGS.tiny else dict(d_model=512, num_heads=8, batch=16, seq_len=1024, dtype="bfloat16")
     time_shape = tiny if FLAGS.tiny else dict(d_model=FLAGS.time_d_model, num_heads=FLAGS.time_num_heads,
                                               batch=FLAGS.time_batch, seq_len=FLAGS.time_seq_len, dtype=FLAGS.time_dtype)
-    if not FLAGS.scans or set(FLAGS.scans) - set(SCANS):
-        raise ValueError(f"--scans must name some of {SCANS}, got {FLAGS.scans}")
-    scanned = ("prenorm", "block_attnres", "full_attnres")  # article_block has no scanned form
-    if not FLAGS.variants or set(FLAGS.variants) - set(scanned):
-        raise ValueError(f"--variants must name some of {scanned}, got {FLAGS.variants}")
     rows = []
     for variant in FLAGS.variants:
         for scan in (FLAGS.scans if variant != "prenorm" else SCANS[:1]):
