@@ -55,8 +55,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from experiments.harness import (environment, find_xplane, make_kda_inputs as make_inputs, packed_segment_ids,
-                                 parse_kda_shape,
+from experiments.harness import (cu_seqlens, environment, find_xplane, make_kda_inputs as make_inputs,
+                                 packed_segment_ids, packed_segment_ids_np, parse_kda_shape,
                                  parse_trace,  # noqa: F401
                                  rms_ratio, time_call, write_results, STEP_NAME)
 from k3jax.ops.kda import kda
@@ -74,8 +74,8 @@ flags.DEFINE_integer("stream_calls", None, "back-to-back timing: calls per group
                      "(0 = off; default 10 on a GPU, 0 elsewhere)")
 flags.DEFINE_integer("stream_reps", 20, "back-to-back timing: groups, each on fresh inputs (median reported)")
 flags.DEFINE_integer("docs_per_row", 1, "packed documents per row (segment_ids, harness.packed_segment_ids: "
-                     "exponential lengths of mean T / N, >= 64 tokens) for every JAX implementation; 1 = dense "
-                     "rows; fla and --profile run dense rows only")
+                     "exponential lengths of mean T / N, >= 64 tokens) for every implementation (fla: the same "
+                     "documents as cu_seqlens, B = 1) and --profile; 1 = dense rows")
 flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked/pallas implementations")
 flags.DEFINE_string("out", "/tmp/k3jax_bench_kda/kda", "output path without extension ('' = no files); the "
                     "committed CPU table is --out=experiments/results/kda_cpu")
@@ -155,7 +155,8 @@ def jitted(op: Callable, mode: str) -> Callable:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-# fla's inputs in torch, make_inputs' recipe (B, T, H, K defined before; also --profile's).
+# fla's inputs in torch, make_inputs' recipe, and chunk_kda's keywords (B, T, H, K and cu, the
+# cu_seqlens of packed rows or None, defined before; also --profile's).
 FLA_INPUTS = """\
 torch.manual_seed(0)
 q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
@@ -163,6 +164,10 @@ k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1
 v = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
 g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, device="cuda"))
 beta = torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16()
+kw = dict(safe_gate=True, lower_bound=-5.0)
+if cu:  # packed rows as fla takes them: one flattened sequence, documents by cu_seqlens
+    q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
+    kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device="cuda")
 """
 
 # The torch subprocesses' imports and the versions their rows record (timing and --profile).
@@ -176,12 +181,13 @@ versions = dict(fla=getattr(fla, "__version__", "?"), torch=torch.__version__,
 
 FLA_SCRIPT = FLA_PRELUDE + r"""from triton.testing import do_bench
 rows = []
+cus = json.loads(sys.argv[2])
 for shape in sys.argv[1].split(","):
     B, T, H, K = (int(x) for x in shape.lower().split("x"))
-""" + textwrap.indent(FLA_INPUTS, "    ") + r"""    kw = dict(safe_gate=True, lower_bound=-5.0)
-    fwd = do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=50, rep=200, return_mode="median")
+    cu = cus.get(shape)
+""" + textwrap.indent(FLA_INPUTS, "    ") + r"""    fwd = do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=50, rep=200, return_mode="median")
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-    do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(*v.shape, device="cuda", dtype=torch.bfloat16)
     def fb():
         for t in leaves:          # fresh gradients each call (no accumulation into .grad)
             t.grad = None
@@ -190,14 +196,23 @@ for shape in sys.argv[1].split(","):
     fwdbwd = do_bench(fb, warmup=50, rep=200, return_mode="median")
     for mode, ms in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
         rows.append(dict(implementation="fla", mode=mode, B=B, T=T, H=H, K=K, V=K, dtype="bfloat16",
-                         chunk_size=64, median_ms=ms, min_ms=None, max_ms=None,
+                         chunk_size=64, median_ms=ms, min_ms=None, max_ms=None, docs_per_row=int(sys.argv[3]),
                          iters="do_bench", compile_s=None, versions=versions))
     print("ROW" + json.dumps(rows[-2]) + "\nROW" + json.dumps(rows[-1]), flush=True)
 """
 
 
-def run_fla(shapes) -> list[dict]:
-    """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU).
+def fla_cu_seqlens(shapes, docs: int) -> dict:
+    """{shape: cu_seqlens} of the packed rows every implementation gets (harness.packed_segment_ids in
+    numpy: no JAX backend touched), {} for dense rows (docs == 1)."""
+    if docs == 1:
+        return {}
+    return {s: cu_seqlens(packed_segment_ids_np(*parse_kda_shape(s)[:2], docs)) for s in shapes}
+
+
+def run_fla(shapes, docs: int = 1) -> list[dict]:
+    """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU); with docs > 1 the
+    same packed documents as the JAX rows, through chunk_kda's cu_seqlens (B = 1, rows flattened).
 
     The subprocess's rows are read as it prints them and, with --out, appended to `<out>_fla.jsonl`
     at once: fla's Triton autotuning can take minutes per shape, and a run cut short keeps the
@@ -208,7 +223,8 @@ def run_fla(shapes) -> list[dict]:
         os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     sink = open(FLAGS.out + "_fla.jsonl", "a") if FLAGS.out else None
     try:
-        proc = subprocess.Popen([sys.executable, "-c", FLA_SCRIPT, ",".join(shapes)], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", FLA_SCRIPT, ",".join(shapes),
+                                 json.dumps(fla_cu_seqlens(shapes, docs)), str(docs)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         for line in proc.stdout:
             if line.startswith("ROW"):
@@ -342,7 +358,7 @@ def time_all():
     env = environment()
     dtype = jnp.dtype(FLAGS.dtype)
     docs = FLAGS.docs_per_row
-    rows = run_fla(FLAGS.shapes) if FLAGS.fla and docs == 1 else []
+    rows = run_fla(FLAGS.shapes, docs) if FLAGS.fla else []
     for shape in FLAGS.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))
         seg = packed_segment_ids(B, T, docs) if docs > 1 else None
@@ -415,8 +431,8 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
 FLA_PROFILE_SCRIPT = FLA_PRELUDE + r"""from torch.profiler import profile, ProfilerActivity
 B, T, H, K = (int(x) for x in sys.argv[1].lower().split("x"))
 iters, warmup, modes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
-""" + FLA_INPUTS + r"""do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-kw = dict(safe_gate=True, lower_bound=-5.0)
+cu = json.loads(sys.argv[5])
+""" + FLA_INPUTS + r"""do = torch.randn(*v.shape, device="cuda", dtype=torch.bfloat16)
 leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
 def fwd():
     with torch.no_grad():
@@ -456,9 +472,11 @@ for mode in modes:
 
 
 def profile_fla(shape: str) -> list[dict]:
-    """fla's rows from a torch subprocess (run before JAX touches the GPU); [] when fla is missing."""
+    """fla's rows from a torch subprocess (run before JAX touches the GPU); [] when fla is missing.
+    With --docs_per_row > 1: the JAX rows' packed documents as cu_seqlens."""
+    cu = fla_cu_seqlens([shape], FLAGS.docs_per_row).get(shape)
     proc = subprocess.run([sys.executable, "-c", FLA_PROFILE_SCRIPT, shape, str(FLAGS.iters), str(FLAGS.warmup),
-                           ",".join(FLAGS.modes)], capture_output=True, text=True)
+                           ",".join(FLAGS.modes), json.dumps(cu)], capture_output=True, text=True)
     rows = [json.loads(line[3:]) for line in proc.stdout.splitlines() if line.startswith("ROW")]
     if proc.returncode:
         print("fla failed:", proc.stderr[-800:], flush=True)
@@ -492,7 +510,9 @@ def write_profile_markdown(result: dict, path: str) -> None:
     for r in result["rows"]:
         total = sum(k["ms"] for k in r["kernels"])
         busy = f"{r['busy_ms']:.3f}" if r.get("busy_ms") is not None else "—"
-        lines += [f"## {r['shape']} {r['implementation']} {r['mode']}: wall {r['wall_ms']:.3f}, busy {busy}, "
+        docs = r.get("docs_per_row", 1)
+        packed = f", {docs} docs/row" if docs > 1 else ""
+        lines += [f"## {r['shape']}{packed} {r['implementation']} {r['mode']}: wall {r['wall_ms']:.3f}, busy {busy}, "
                   f"kernels {total:.3f} ms ({len(r['kernels'])} distinct)", "",
                   "| kernel | ms | calls | share of kernel time |", "|---|---:|---:|---:|"]
         for k in r["kernels"][:FLAGS.top]:
@@ -533,17 +553,18 @@ def profile_main() -> None:
     rows = []
     if FLAGS.fla:            # every shape before JAX touches the GPU (save_profile would: it asks for the device)
         for shape in FLAGS.shapes:
-            rows += [dict(r, shape=shape) for r in profile_fla(shape)]
-    ops = implementations(FLAGS.chunk_size)
+            rows += [dict(r, shape=shape, docs_per_row=FLAGS.docs_per_row) for r in profile_fla(shape)]
+    docs = FLAGS.docs_per_row
     for shape in FLAGS.shapes:
         B, T, H, K = parse_kda_shape(shape)
+        ops = implementations(FLAGS.chunk_size, packed_segment_ids(B, T, docs) if docs > 1 else None)
         args = jax.block_until_ready(make_inputs(jax.random.key(0), B, T, H, K, jnp.dtype(FLAGS.dtype)))
         for name in FLAGS.implementations:
             if name not in ops:
                 print(f"{name}: not available here, skipped", flush=True)
                 continue
             for mode in FLAGS.modes:
-                rows.append(dict(profile_jax(name, ops[name], mode, args), shape=shape))
+                rows.append(dict(profile_jax(name, ops[name], mode, args), shape=shape, docs_per_row=docs))
                 r = rows[-1]
                 save_profile(rows)
                 print(f"{shape} {name} {mode}: wall {r['wall_ms']:.3f} ms, busy {r['busy_ms']:.3f} ms", flush=True)

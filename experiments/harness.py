@@ -75,6 +75,12 @@ def packed_segment_ids(B: int, T: int, docs_per_row: int, *, seed: int = 0, min_
     """[B, T] int32 document ids of packed rows (ids from 1): exponential document lengths of mean
     T / docs_per_row, at least `min_len` tokens, the last one cut at T (ANCHORS' packed-document recipe).
     Raises ValueError for docs_per_row < 1."""
+    return jnp.asarray(packed_segment_ids_np(B, T, docs_per_row, seed=seed, min_len=min_len))
+
+
+def packed_segment_ids_np(B: int, T: int, docs_per_row: int, *, seed: int = 0, min_len: int = 64) -> np.ndarray:
+    """packed_segment_ids as a numpy array (no JAX backend touched: usable before a torch process
+    takes the GPU). Raises ValueError for docs_per_row < 1."""
     if docs_per_row < 1:
         raise ValueError(f"docs_per_row must be >= 1; got {docs_per_row}")
     rng = np.random.default_rng(seed)
@@ -85,7 +91,20 @@ def packed_segment_ids(B: int, T: int, docs_per_row: int, *, seed: int = 0, min_
             n = max(min_len, int(rng.exponential(T / docs_per_row)))
             out[b, pos:pos + n] = doc
             pos, doc = pos + n, doc + 1
-    return jnp.asarray(out)
+    return out
+
+
+def cu_seqlens(segment_ids) -> list[int]:
+    """fla's varlen form of packed rows: the offsets [0, ..., B*T] of every document in the rows
+    flattened to one sequence (a row end is a boundary too; a document starts wherever the id differs
+    from the previous token's, as the kernels' segment_ids). segment_ids: [B, T] integers."""
+    ids = np.asarray(segment_ids)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"segment_ids must be a non-empty [B, T] array; got shape {ids.shape}")
+    B, T = ids.shape
+    starts = np.ones((B, T), bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return [int(i) for i in np.flatnonzero(starts.reshape(-1))] + [B * T]
 
 
 def rms_ratio(out, ref) -> float:

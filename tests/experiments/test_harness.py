@@ -59,6 +59,39 @@ def test_named_shapes_parse_and_bad_shapes_raise():
             harness.parse_kda_shape(bad)
 
 
+def test_packed_documents_as_fla_cu_seqlens():
+    ids = harness.packed_segment_ids_np(3, 1024, 16, seed=1)
+    np.testing.assert_array_equal(np.asarray(harness.packed_segment_ids(3, 1024, 16, seed=1)), ids)
+    cu = harness.cu_seqlens(ids)
+    assert cu[0] == 0 and cu[-1] == ids.size and all(b > a for a, b in zip(cu, cu[1:]))
+    assert {1024, 2048} <= set(cu)                      # every row starts a document
+    flat = ids.reshape(-1)
+    for a, b in zip(cu, cu[1:]):                        # each span is one whole document
+        assert len(set(flat[a:b])) == 1 and (b == flat.size or b % 1024 == 0 or flat[b] != flat[b - 1])
+    assert len(cu) - 1 == sum(len(set(row)) for row in ids)
+    # equal ids across a row boundary are still two documents; a change of id mid-row starts one
+    assert harness.cu_seqlens(np.array([[1, 1, 2], [2, 2, 2]])) == [0, 2, 3, 6]
+    with pytest.raises(ValueError, match="segment_ids"):
+        harness.cu_seqlens(np.zeros((4,), np.int32))
+    with pytest.raises(ValueError, match="docs_per_row"):
+        harness.packed_segment_ids_np(1, 64, 0)
+
+
+def test_bench_kda_fla_scripts_compile_dense_and_packed():
+    # in a subprocess: the script defines absl flags at import
+    code = textwrap.dedent("""
+        from experiments import bench_kda, harness
+        for script in (bench_kda.FLA_SCRIPT, bench_kda.FLA_PROFILE_SCRIPT):
+            compile(script, "<fla>", "exec")
+        assert bench_kda.fla_cu_seqlens(["2x256x1x16"], 1) == {}
+        cu = bench_kda.fla_cu_seqlens(["2x256x1x16"], 4)["2x256x1x16"]
+        assert cu == harness.cu_seqlens(harness.packed_segment_ids_np(2, 256, 4)) and 256 in cu
+        assert "cu_seqlens" in bench_kda.FLA_INPUTS and "B * T" in bench_kda.FLA_INPUTS
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_rms_ratio_is_relative_and_flags_non_finite_outputs():
     ref = np.array([3.0, 4.0])
     assert harness.rms_ratio(ref, ref) == 0.0
