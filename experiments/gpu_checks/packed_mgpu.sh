@@ -6,10 +6,10 @@
 #    packed documents against the compiled Triton stages, the state passes) and the op tests of
 #    TestMosaicGPU with documents against the fp32 recurrence (segment ids through the split, at the
 #    tile / chunk edges, each document alone, every loss scale, unbounded gates with documents).
-#    Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_h200.log.
+#    Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_<h100|h200>.log.
 # 2. (BENCH=1, the default) experiments.gpu_checks.packed_mgpu_bench: fwd + bwd ms of the Mosaic GPU
 #    plan with documents, dense and all-Triton at 32x2048x6x128 (K3-small) and 8x4096x16x128:
-#    $OUT_DIR/kda_packed_h200.{json,md}.
+#    $OUT_DIR/kda_packed_h200.{json,md} (the 2026-12-03 A/B; today's table: experiments/results/kda_packed.md).
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), WORKERS (4: pytest-xdist
 # workers when installed), SELECT (the -k expression; FULL=1: every gpu test of tests/pallas_kernels).
 # Wheels in .whl/ (experiments/gpu_wheels.txt) are installed first when present. Exit status: pytest's,
@@ -30,7 +30,8 @@ if [ "${FULL:-0}" = 1 ]; then
 else
   TESTS=(-m gpu tests/pallas_kernels/kda/test_stages.py tests/pallas_kernels/kda/test_api.py -k "$SELECT")
 fi
-LOG="$OUT_DIR/kda_packed_mgpu_gpu_tests_h200.log"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr H h)
+LOG="$OUT_DIR/kda_packed_mgpu_gpu_tests_${GPU:-gpu}.log"     # named by the card (h100 / h200)
 {
   echo "# $(date -u +%FT%TZ) $PY -m pytest -q ${XDIST[*]} ${TESTS[*]} -rs --durations=25"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -40,7 +41,7 @@ LOG="$OUT_DIR/kda_packed_mgpu_gpu_tests_h200.log"
 } 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ "$BENCH" = 1 ]; then
-  $PY -m experiments.gpu_checks.packed_mgpu_bench --out "$OUT_DIR/kda_packed_h200" 2>&1 | tee "$OUT_DIR/kda_packed_h200.log"
+  $PY -m experiments.gpu_checks.packed_mgpu_bench --out "$OUT_DIR/kda_packed_ab_${GPU:-gpu}" 2>&1 | tee "$OUT_DIR/kda_packed_ab_${GPU:-gpu}.log"
   brc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$brc
 fi

@@ -46,53 +46,77 @@ def load(ref, layout=WG, smem=False):
 
 def segment_masks(rel):
     """The Mosaic GPU kernels' document input from rel [B, T] int32 (api.document_offsets): seg
-    [4, B, T] fp32 (small integers, exact), per token i of a chunk: rel_i twice (read in the ROW and
-    in the COL layout: two identical loads would be merged into one value, whose two layouts layout
-    inference cannot satisfy); in_last_i (1 where rel_i = rel of the chunk's last token, else 0);
-    carry (1 where that last rel is 0, else 0: the same for the chunk's 64 tokens). The masks of
-    triton/common.Segments without in-kernel reductions."""
+    [B, T / C, 4, C] bf16 (integers 0 .. 64, exact), one contiguous 512-byte block per chunk (one TMA
+    copy into the intra forward's SMEM, or direct loads), per token i of the chunk: rel_i twice (read in the ROW and in the COL layout: two
+    identical loads would be merged into one value, whose two layouts layout inference cannot
+    satisfy); in_last_i (1 where rel_i = rel of the chunk's last token, else 0); carry (1 where that
+    last rel is 0, else 0: the same for the chunk's 64 tokens). The masks of triton/common.Segments
+    without in-kernel reductions."""
     B, T = rel.shape
     if T % CHUNK:
         raise ValueError(f"segments' T = {T} must be a multiple of {CHUNK}")
     rel = rel.astype(jnp.int32)
     last = jnp.repeat(rel[:, CHUNK - 1::CHUNK], CHUNK, axis=1)              # [B, T]
-    return jnp.stack([rel, rel, rel == last, last == 0]).astype(F32)
+    seg = jnp.stack([rel, rel, rel == last, last == 0], axis=1).astype(BF16)  # [B, 4, T]
+    return seg.reshape(B, 4, T // CHUNK, CHUNK).transpose(0, 2, 1, 3)
+
+
+def segments_smem():
+    """The SMEM buffer of one chunk's document masks ([4, C] bf16, 512 bytes; Segments reads it)."""
+    return plgpu.SMEM((4, CHUNK), BF16)
+
+
+def fetch_segments(seg_ref, seg_s, b, c, barrier):
+    """TMA copy of chunk c's masks of row b (seg [B, T / C, 4, C], segment_masks) into seg_s; one
+    arrival on `barrier`, which the kernel waits for before its first select."""
+    plgpu.copy_gmem_to_smem(seg_ref.at[b, c], seg_s, barrier)
 
 
 class Segments:
     """Document masks of one chunk inside a Mosaic GPU kernel (packed sequences, segment_ids), as
     triton/common.Segments: same [C, C] (rel_i == rel_j: the score tiles M, Aqk and their
     gradients), row_in (rel_i == 0: Qg, X and their gradients), in_last (rel_i == rel_last: Kd, dKd)
-    per row, carry (rel_last == 0: e^{G_last} and its gradient) per column. Built where used, each
-    from a direct load of seg (segment_masks; a [C] vector in the ROW or COL layout of the WGMMA
-    tile it masks: 2 resp. 16 registers a thread), so that no mask lives across the kernel."""
+    per row, carry (rel_last == 0: e^{G_last} and its gradient). `ref` is the chunk's [4, C] block
+    of segment_masks, in SMEM (fetch_segments) or in HBM (seg.at[b, c]). Each mask is built where it
+    is used from a [C] vector loaded in the ROW or COL layout of the WGMMA tile it masks (2 resp. 16
+    registers a thread), so that no mask lives across the kernel; a kernel that reads HBM loads the
+    vectors (vec) before the product whose result they mask and passes them in, so that the load's
+    latency hides behind the product."""
 
-    def __init__(self, seg_ref, b, rows):
-        self.ref, self.b, self.rows = seg_ref, b, rows
+    def __init__(self, ref):
+        self.ref = ref
 
-    def _vec(self, i, layout):
-        return load(self.ref.at[i, self.b, self.rows], layout)
+    def vec(self, i, layout):
+        """Row i of the chunk's masks ([C]: 0 rel, 1 rel again, 2 in_last, 3 carry) in `layout`."""
+        return load(self.ref.at[i], layout)
 
-    def _rows(self, i, shape):           # seg[i] along the rows of a [C, n] WGMMA tile
-        return plgpu.layout_cast(jnp.broadcast_to(self._vec(i, ROW)[:, None], shape), WG)
+    @staticmethod
+    def _bcast_rows(v, shape):           # a ROW vector along the rows of a [C, n] WGMMA tile
+        return plgpu.layout_cast(jnp.broadcast_to(v[:, None], shape), WG)
 
-    def same(self):
-        """[C, C] in the WGMMA layout."""
+    def same(self, rel_rows=None, rel_cols=None):
+        """[C, C] in the WGMMA layout (rel_rows = vec(0, ROW), rel_cols = vec(1, COL) if preloaded)."""
         C = CHUNK
-        cols = plgpu.layout_cast(jnp.broadcast_to(self._vec(1, COL)[None, :], (C, C)), WG)
-        return self._rows(0, (C, C)) == cols
+        rel_rows = self.vec(0, ROW) if rel_rows is None else rel_rows
+        rel_cols = self.vec(1, COL) if rel_cols is None else rel_cols
+        cols = plgpu.layout_cast(jnp.broadcast_to(rel_cols[None, :], (C, C)), WG)
+        return self._bcast_rows(rel_rows, (C, C)) == cols
 
-    def row_in(self, shape):
-        """[C, n] in the WGMMA layout."""
-        return self._rows(0, shape) == 0.0
+    def row_in(self, shape, rel_rows=None):
+        """[C, n] in the WGMMA layout (rel_rows = vec(0, ROW) if preloaded)."""
+        return self._bcast_rows(self.vec(0, ROW) if rel_rows is None else rel_rows, shape) == 0.0
 
-    def in_last(self, shape):
-        """[C, n] in the WGMMA layout."""
-        return self._rows(2, shape) != 0.0
+    def in_last(self, shape, last_rows=None):
+        """[C, n] in the WGMMA layout (last_rows = vec(2, ROW) if preloaded)."""
+        return self._bcast_rows(self.vec(2, ROW) if last_rows is None else last_rows, shape) != 0.0
 
     def carry(self):
         """[C] in the COL layout (the same value in every entry; C = HALF columns)."""
-        return self._vec(3, COL) != 0.0
+        return self.vec(3, COL) != 0.0
+
+    def carry_rows(self, shape, carry_rows=None):
+        """carry as a [C, n] WGMMA-layout mask (the same value everywhere; carry_rows = vec(3, ROW))."""
+        return self._bcast_rows(self.vec(3, ROW) if carry_rows is None else carry_rows, shape) != 0.0
 
 
 def keep(x, seg, mask: str, *args):

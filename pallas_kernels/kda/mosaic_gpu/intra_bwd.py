@@ -14,7 +14,8 @@ Triton kernel's bf16x3 dots). The [C, K] work is a loop over halves of 64 column
 overflowed the instruction cache), one [C, 64] product at a time, so that one warpgroup fits in 255
 registers a thread.
 
-I/O: every input but beta arrives by TMA in five phases (one barrier each): 0 the states and dO;
+I/O: every input but beta and the document masks (direct loads, each before the product it masks)
+arrives by TMA in five phases (one barrier each): 0 the states and dO;
 1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). SMEM 224 KiB
 at K = V = 128 (one CTA an SM; plgpu.RefUnion shares the staging buffers between phases).
 """
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu.common import (BF16, CHUNK, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, Segments,
+from pallas_kernels.kda.mosaic_gpu.common import (BF16, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, Segments,
                                                   check_dtypes, check_shapes, interpret_params, iota, keep, load,
                                                   operand, segment_masks, split_bf16, staging)
 
@@ -41,7 +42,9 @@ def _lower(n, strict=False):
 def _dl(dA, a_hi, a_lo, t_hi, t_lo, seg=None):
     """dL = -A^T dA A^T on the strict lower triangle (dA masked to rows >= cols first), both products
     with split-bf16 operands (hi hi + hi lo + lo hi); t_hi, t_lo: two free [C, C] operand buffers;
-    seg: Segments or None (documents: dL on same-document pairs only, in the same select)."""
+    seg: Segments or None (documents: dL on same-document pairs only, in the same select; its rel
+    vectors are loaded before the products)."""
+    rel = None if seg is None else (seg.vec(0, ROW), seg.vec(1, COL))
     split_bf16(jnp.where(_lower(dA.shape[0]), dA, 0.0), t_hi, t_lo)
     plgpu.commit_smem()
 
@@ -61,7 +64,7 @@ def _dl(dA, a_hi, a_lo, t_hi, t_lo, seg=None):
         plgpu.wgmma(acc, t_lo, a_hi.T)
         return acc[...]
     support = _lower(dA.shape[0], strict=True)
-    support = support if seg is None else support & seg.same()
+    support = support if seg is None else support & seg.same(*rel)
     return jnp.where(support, -pl.run_scoped(l_dot, plgpu.ACC(dA.shape, F32)), 0.0)
 
 
@@ -120,7 +123,9 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
-        seg = None if seg_ref is None else Segments(seg_ref, b, rows)     # documents: selects
+        # documents: selects from the chunk's masks in HBM (no SMEM left at K = V = 128), each vector
+        # loaded before the product it masks
+        seg = None if seg_ref is None else Segments(seg_ref.at[b, c])
         halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
 
         def fetch(phase, copies):         # phases 1-4; one barrier per phase, each used once per CTA
@@ -154,8 +159,9 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         def daqk_dot(acc):                                # dO V'^T
             plgpu.wgmma(acc, do_s, vp_s.T)
             return acc[...]
-        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) if seg is None else _lower(C) & seg.same(),
-                                               pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
+        rel = None if seg is None else (seg.vec(0, ROW), seg.vec(1, COL))
+        daqk = pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32))
+        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) if seg is None else _lower(C) & seg.same(*rel), daqk, 0.0)
         arrived(2)
         du_s[...] = load(du_in).astype(BF16)
         split_bf16(load(a_in), a_hi, a_lo)
@@ -169,6 +175,8 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
 
         def half_step(kh, dbeta):                          # one K half (a loop: half the code)
             cols = pl.ds(kh * HALF, HALF)
+            # documents: rel, in_last, carry along the rows (2 registers each), loaded before dU S^T
+            rel_r, last_r, carry_r = (None,) * 3 if seg is None else (seg.vec(i, ROW) for i in (0, 2, 3))
             # one [C, HALF] product at a time, consumed at once (one warpgroup: 255 registers a thread)
             def dw_dot(acc):                              # dU S^T on this half
                 plgpu.wgmma(acc, du_s, h_s.at[kh])
@@ -177,13 +185,13 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
             # that followed vp_s's store
             w_s.at[kh][...] = (-pl.run_scoped(dw_dot, plgpu.ACC((C, HALF), F32))).astype(BF16)
             eg = jnp.exp(load(g_in.at[kh]))
-            x_s.at[kh][...] = keep(beta_c * eg * load(k_in.at[kh], smem=True), seg, "row_in", (C, HALF)).astype(BF16)
+            x_s.at[kh][...] = keep(beta_c * eg * load(k_in.at[kh], smem=True), seg, "row_in", (C, HALF), rel_r).astype(BF16)
             plgpu.commit_smem()
 
             def dx_dot(acc):                              # A^T dW on this half
                 plgpu.wgmma(acc, a_hi.T, w_s.at[kh])
                 return acc[...]
-            egdx = eg * keep(pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF))
+            egdx = eg * keep(pl.run_scoped(dx_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF), rel_r)
             dk_x = beta_c * egdx                          # dX's share of dk
             kdx = load(k_in.at[kh], smem=True) * egdx
             dbeta = dbeta + jnp.sum(kdx, axis=1)
@@ -192,7 +200,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
             def qg_dot(acc):                              # dO S^T on this half
                 plgpu.wgmma(acc, do_s, h_s.at[kh])
                 return acc[...]
-            dq = scale * eg * keep(pl.run_scoped(qg_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF))
+            dq = scale * eg * keep(pl.run_scoped(qg_dot, plgpu.ACC((C, HALF), F32)), seg, "row_in", (C, HALF), rel_r)
             dq_ref.at[bh, rows, cols][...] = dq
             dG = dG + load(q_in.at[kh], smem=True) * dq
 
@@ -202,13 +210,15 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
             g_h = load(g_in.at[kh])
             gl_v = jnp.sum(jnp.where(iota((C, HALF), 0) == C - 1, g_h, 0.0), axis=0)   # G's last row
             dk = jnp.exp(gl_v[None, :] - g_h) * keep(pl.run_scoped(kd_dot, plgpu.ACC((C, HALF), F32)), seg, "in_last",
-                                                     (C, HALF))
+                                                     (C, HALF), last_r)
             t = load(k_in.at[kh], smem=True) * dk
             dg_ref.at[bh, rows, cols][...] = dG - t
             dk_ref.at[bh, rows, cols][...] = dk + dk_x
-            sts = sum(jnp.sum(load(h_s.at[kh, pl.ds(i * C, C)], smem=True)
-                              * load(dh_s.at[kh, pl.ds(i * C, C)], smem=True), axis=0) for i in range(V // C))
-            dgl_ref.at[bh, c, cols][...] = jnp.exp(gl_v) * keep(sts, seg, "carry") + jnp.sum(t, axis=0)
+            # colsum(St * dSt), zero when the chunk holds a start (carry: the same along the V rows)
+            sts = sum(jnp.sum(keep(load(h_s.at[kh, pl.ds(i * C, C)], smem=True)
+                                   * load(dh_s.at[kh, pl.ds(i * C, C)], smem=True), seg, "carry_rows", (C, HALF),
+                                   carry_r), axis=0) for i in range(V // C))
+            dgl_ref.at[bh, c, cols][...] = jnp.exp(gl_v) * sts + jnp.sum(t, axis=0)
             return dbeta
         dbeta = lax.fori_loop(0, KH, half_step, jnp.zeros((C,), F32))
         plgpu.commit_smem()                               # every read of h_s, dh_s, do_s is done

@@ -16,8 +16,9 @@ Each score product is a wgmma [64, K] x [K, 64] (both factors within e^{+-40} on
 solve product [64, 64] x [64, 64], W / U [64, 64] x [64, 64] per half; the four row blocks and the
 five solve levels are loops (one traced body each, for the instruction cache), one pair of
 accumulators live at a time.
-I/O: q, k, G by TMA per K half, G's anchor rows and G_last by TMA, v by TMA during the solve, beta
-straight from HBM; outputs written from registers. SMEM 98 KiB at K = V = 128 (two CTAs an SM;
+I/O: q, k, G by TMA per K half, G's anchor rows and G_last by TMA (with documents: the chunk's masks
+too), v by TMA during the solve, beta straight from HBM; outputs written from registers. SMEM 98 KiB
+(99 with documents) at K = V = 128 (two CTAs an SM;
 plgpu.RefUnion shares q with the column operand and X, G and the row operands with the solve's
 buffers and v).
 """
@@ -31,7 +32,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
                                                   Segments, check_qk, check_shapes, interpret_params, iota, keep,
-                                                  load, operand, segment_masks, staging)
+                                                  fetch_segments, load, operand, segment_masks, segments_smem,
+                                                  staging)
 
 NB = CHUNK // BT
 LEVELS = 5                 # solve merges: blocks of 2 -> 4 -> .. -> 64
@@ -76,6 +78,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         seg_ref, rest = (rest[0], rest[1:]) if segmented else (None, rest)
         qg_ref, kd_ref, w_ref, u_ref, aqk_ref, gl_ref, *rest = rest
         a_ref, m_ref = (rest[0], rest[1]) if save_solve else (None, None)
+        seg_s, rest = (rest[-1], rest[:-1]) if segmented else (None, rest)
         k_in, anc_s, first, second, bar, bar_v = rest[-6:]
         q_in, bk_s = first                   # q, then the column operand, then X (x_s = bk_s)
         x_s = bk_s
@@ -83,8 +86,10 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
-        seg = None if seg_ref is None else Segments(seg_ref, b, rows)     # documents: selects
+        seg = None if seg_ref is None else Segments(seg_s)     # documents: selects
         halves = [pl.ds(kh * HALF, HALF) for kh in range(KH)]
+        if segmented:
+            fetch_segments(seg_ref, seg_s, b, c, bar)
         for kh in range(KH):
             for src, dst in ((q_ref, q_in), (k_ref, k_in), (G_ref, g_in)):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, hh, halves[kh]], dst.at[kh], bar)
@@ -210,7 +215,8 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
         scratch_types=[operand((KH, C, HALF)), plgpu.SMEM((NB, K), F32), first, second,
-                       plgpu.Barrier(num_arrivals=3 * KH + NB), plgpu.Barrier(num_arrivals=VH)],
+                       plgpu.Barrier(num_arrivals=3 * KH + NB + segmented), plgpu.Barrier(num_arrivals=VH)]
+                      + ([segments_smem()] if segmented else []),
         grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
         interpret=interpret_params(interpret), kernel_name="kda_intra_fwd_mgpu")
     beta_hm = jnp.swapaxes(beta, 1, 2).reshape(BH, T).astype(F32)   # head-major rows: one direct read a chunk
