@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiled GPU check of packed documents (segment_ids) in the Mosaic GPU intra kernels (issue 25), on
-# one H200, from the repository root of the device copy:
+# one Hopper GPU (H100 or H200), from the repository root of the device copy:
 #   bash experiments/gpu_checks/packed_mgpu.sh
 # 1. pytest -m gpu: every compiled stage test (TestStagesGPU: intra_fwd and solve_bwd with and without
 #    packed documents against the compiled Triton stages, the state passes) and the op tests of
@@ -9,7 +9,8 @@
 #    Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_<h100|h200>.log.
 # 2. (BENCH=1, the default) experiments.gpu_checks.packed_mgpu_bench: fwd + bwd ms of the Mosaic GPU
 #    plan with documents, dense and all-Triton at 32x2048x6x128 (K3-small) and 8x4096x16x128:
-#    $OUT_DIR/kda_packed_h200.{json,md} (the 2026-12-03 A/B; today's table: experiments/results/kda_packed.md).
+#    $OUT_DIR/kda_packed_ab_<h100|h200>.{json,md} (its 2026-12-03 run: results/kda_packed_h200.json; the
+#    table with the peers: bench_kda --docs_per_row, results/kda_packed.md).
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), WORKERS (4: pytest-xdist
 # workers when installed), SELECT (the -k expression; FULL=1: every gpu test of tests/pallas_kernels).
 # Wheels in .whl/ (experiments/gpu_wheels.txt) are installed first when present. Exit status: pytest's,

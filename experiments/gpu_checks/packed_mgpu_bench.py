@@ -1,4 +1,4 @@
-"""Packed documents (segment_ids) in the Pallas KDA op on the H200 (issue 25): forward + backward
+"""Packed documents (segment_ids) in the Pallas KDA op on a Hopper GPU (issue 25): forward + backward
 time of kda_pallas under "mosaic_gpu" (the Mosaic GPU intra stages take the documents), dense (no
 segment_ids, the floor) and backend="triton" (every stage Triton).
 
@@ -6,7 +6,9 @@ Inputs: harness.make_kda_inputs (bf16, lower_bound -5); documents of random leng
 (mean --mean-doc tokens). Times: harness.time_call, back-to-back device-bound ms of a jitted
 value-and-grad (all five input gradients).
 
-  python -m experiments.gpu_checks.packed_mgpu_bench --out experiments/results/kda_packed_h200
+  python -m experiments.gpu_checks.packed_mgpu_bench --out $OUT/kda_packed_ab_h100
+(experiments/results/kda_packed_h200.json is its 2026-12-03 run; the table with the peers is bench_kda
+--docs_per_row, experiments/results/kda_packed.md.)
 """
 from __future__ import annotations
 

@@ -159,9 +159,12 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         def daqk_dot(acc):                                # dO V'^T
             plgpu.wgmma(acc, do_s, vp_s.T)
             return acc[...]
-        rel = None if seg is None else (seg.vec(0, ROW), seg.vec(1, COL))
-        daqk = pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32))
-        daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) if seg is None else _lower(C) & seg.same(*rel), daqk, 0.0)
+        if seg is None:
+            daqk_ref.at[bh, rows][...] = jnp.where(_lower(C), pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32)), 0.0)
+        else:                                             # the rel vectors' loads before the product
+            rel = (seg.vec(0, ROW), seg.vec(1, COL))
+            daqk = pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32))
+            daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) & seg.same(*rel), daqk, 0.0)
         arrived(2)
         du_s[...] = load(du_in).astype(BF16)
         split_bf16(load(a_in), a_hi, a_lo)
