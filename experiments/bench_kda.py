@@ -37,8 +37,10 @@ timing mode's medians.
 Run: python -m experiments.bench_kda --shapes=1x4096x4x128 --implementations=recurrent,chunked
      [--dtype=bfloat16 --iters=20] --out=experiments/results/kda_cpu
 Writes <out>.json and <out>.md (default --out is under /tmp, never over the committed results).
-Merge runs of several processes (no timing): --from_json=a.json,b.json,a_fla.jsonl --out=...; two
-timing rows of the same implementation, mode, shape and dtype in the inputs raise ValueError.
+Merge runs of several processes (no timing): --from_json=a.json,b.json,c_fla.jsonl --out=... (a .json
+of a --fla run holds its fla rows already: pass its _fla.jsonl only for a run whose .json is lost);
+two timing rows of the same implementation, mode, shape, dtype and --docs_per_row in the inputs, or
+rows of different --docs_per_row, raise ValueError.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ from typing import Callable
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from experiments.harness import (cu_seqlens, environment, find_xplane, make_kda_inputs as make_inputs,
                                  packed_segment_ids, packed_segment_ids_np, parse_kda_shape,
@@ -210,6 +213,14 @@ def fla_cu_seqlens(shapes, docs: int) -> dict:
     return {s: cu_seqlens(packed_segment_ids_np(*parse_kda_shape(s)[:2], docs)) for s in shapes}
 
 
+def documents_per_row(segment_ids) -> float:
+    """Mean number of documents a row of segment_ids [B, T] holds (1.0 for None: dense rows)."""
+    if segment_ids is None:
+        return 1.0
+    ids = np.asarray(segment_ids)
+    return float(np.mean([len(np.unique(row)) for row in ids]))
+
+
 def run_fla(shapes, docs: int = 1) -> list[dict]:
     """fla chunk_kda timings from a torch subprocess (run before JAX touches the GPU); with docs > 1 the
     same packed documents as the JAX rows, through chunk_kda's cu_seqlens (B = 1, rows flattened).
@@ -234,7 +245,10 @@ def run_fla(shapes, docs: int = 1) -> list[dict]:
                     sink.write(line[3:])
                     sink.flush()
         if proc.wait():
-            print("fla stderr:", proc.stderr.read()[-800:], flush=True)
+            err = proc.stderr.read()
+            missing = [line for line in err.splitlines() if "ModuleNotFoundError" in line]
+            print(f"fla skipped: {missing[-1]} (needs torch + CUDA + flash-linear-attention)" if missing
+                  else f"fla failed: {err[-800:]}", flush=True)
     except Exception as e:  # noqa: BLE001 -- a missing peer must not stop our own timings
         print("fla failed:", repr(e)[:300], flush=True)
     finally:
@@ -300,6 +314,10 @@ def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
         rows += new
     if env is None:
         raise ValueError(f"from_json={paths!r} names no .json file with an environment")
+    docs = sorted({r.get("docs_per_row", 1) for r in rows})
+    if len(docs) > 1:
+        raise ValueError(f"from_json={paths!r}: rows of different --docs_per_row ({docs}); the side-by-side "
+                         "tables compare one packing at a time: merge dense and packed runs separately")
     seen = set()
     for r in rows:
         if r["mode"] == "check":
@@ -351,6 +369,11 @@ def check_flags():
         FLAGS.shapes = ["x".join(map(str, parse_kda_shape(shape))) for shape in FLAGS.shapes]
     except ValueError as e:
         raise ValueError(f"--shapes: {e}") from None
+    for shape in FLAGS.shapes:     # documents of >= 64 tokens: at most T / 64 of them a row
+        T = parse_kda_shape(shape)[1]
+        if not 1 <= FLAGS.docs_per_row <= max(1, T // 64):
+            raise ValueError(f"--docs_per_row must be in [1, T / 64 = {max(1, T // 64)}] for shape {shape} "
+                             f"(documents of at least 64 tokens); got {FLAGS.docs_per_row}")
 
 
 def time_all():
@@ -362,6 +385,7 @@ def time_all():
     for shape in FLAGS.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))
         seg = packed_segment_ids(B, T, docs) if docs > 1 else None
+        docs_mean = documents_per_row(seg)
         ops = implementations(FLAGS.chunk_size, seg)
         check_T = min(T, FLAGS.check_max_t)
         check_ops = implementations(FLAGS.chunk_size, None if seg is None else seg[:1, :check_T])
@@ -375,7 +399,7 @@ def time_all():
                 print(json.dumps(dict(implementation=name, shape=shape, rms_ratio_vs_fp32_recurrent=errs)), flush=True)
                 rows.append(dict(implementation=name, mode="check", B=B, T=T, H=H, K=K,
                                  check_T=check_T, rms_ratio_vs_fp32_recurrent=errs,
-                                 lower_bound=declared_lower_bound(), docs_per_row=docs))
+                                 lower_bound=declared_lower_bound(), docs_per_row=docs, docs_mean=docs_mean))
             for mode in FLAGS.modes:
                 fn = jitted(ops[name], mode)
                 r = time_call(fn, lambda i: make_inputs(jax.random.PRNGKey(i), B, T, H, K, dtype),
@@ -383,7 +407,7 @@ def time_all():
                               stream_reps=FLAGS.stream_reps)
                 row = dict(implementation=name, mode=mode, B=B, T=T, H=H, K=K, V=K, dtype=FLAGS.dtype,
                            chunk_size=FLAGS.chunk_size, warmup=FLAGS.warmup,
-                           lower_bound=declared_lower_bound(), docs_per_row=docs, **r)
+                           lower_bound=declared_lower_bound(), docs_per_row=docs, docs_mean=docs_mean, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if FLAGS.out:  # keep partial results if the run is cut short
@@ -392,6 +416,18 @@ def time_all():
 
 
 PEERS = ("jla", "fla")
+
+
+def packed_note(rows) -> str:
+    """' Packed rows: ...' for rows timed with --docs_per_row > 1 ('' for dense rows)."""
+    docs = {r.get("docs_per_row", 1) for r in rows}
+    if docs <= {1}:
+        return ""
+    means = sorted({round(r["docs_mean"], 2) for r in rows if r.get("docs_mean")})
+    return (f" Packed rows: --docs_per_row={'/'.join(map(str, sorted(docs)))} (segment_ids; documents of "
+            "exponential length of mean T / docs_per_row, at least 64 tokens" +
+            (f"; {' / '.join(map(str, means))} documents a row on average" if means else "") +
+            "; fla: the same documents as cu_seqlens).")
 
 
 def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
@@ -502,7 +538,9 @@ def profile_jax(name: str, op, mode: str, args) -> dict:
 def write_profile_markdown(result: dict, path: str) -> None:
     """The per-kernel tables of a --profile run (the largest --top kernels per implementation and mode)."""
     env = result["environment"]
-    lines = ["# KDA per-kernel GPU time (B×T×H×K, V = K; bf16, lower_bound = −5)", "",
+    lb = result.get("lower_bound", -5.0)
+    lines = [f"# KDA per-kernel GPU time (B×T×H×K, V = K; {result.get('dtype', 'bfloat16')}, lower_bound = "
+             f"{'none' if lb is None else lb})", "",
              f"{result['date']}; {env.get('device', '?')}; "
              + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("device", "date"))
              + f"; {result['iters']} profiled calls each. Made by `experiments/bench_kda.py --profile`.", "",
@@ -511,7 +549,8 @@ def write_profile_markdown(result: dict, path: str) -> None:
         total = sum(k["ms"] for k in r["kernels"])
         busy = f"{r['busy_ms']:.3f}" if r.get("busy_ms") is not None else "—"
         docs = r.get("docs_per_row", 1)
-        packed = f", {docs} docs/row" if docs > 1 else ""
+        mean = f" ({r['docs_mean']:.1f} documents a row)" if r.get("docs_mean") else ""
+        packed = f", --docs_per_row={docs}{mean}" if docs > 1 else ""
         lines += [f"## {r['shape']}{packed} {r['implementation']} {r['mode']}: wall {r['wall_ms']:.3f}, busy {busy}, "
                   f"kernels {total:.3f} ms ({len(r['kernels'])} distinct)", "",
                   "| kernel | ms | calls | share of kernel time |", "|---|---:|---:|---:|"]
@@ -529,7 +568,8 @@ def save_profile(rows: list[dict]) -> None:
     """Write <out>.json and <out>.md with the rows so far (a run cut by a time limit keeps them)."""
     fla_versions = next((r["versions"] for r in rows if "versions" in r), {})
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                  iters=FLAGS.iters, environment={**environment(), **fla_versions},
+                  iters=FLAGS.iters, dtype=FLAGS.dtype, lower_bound=declared_lower_bound(),
+                  environment={**environment(), **fla_versions},
                   rows=[{k: v for k, v in r.items() if k != "versions"} for r in rows])
     write_results(FLAGS.out, result)
     write_profile_markdown(result, FLAGS.out + ".md")
@@ -557,14 +597,16 @@ def profile_main() -> None:
     docs = FLAGS.docs_per_row
     for shape in FLAGS.shapes:
         B, T, H, K = parse_kda_shape(shape)
-        ops = implementations(FLAGS.chunk_size, packed_segment_ids(B, T, docs) if docs > 1 else None)
+        seg = packed_segment_ids(B, T, docs) if docs > 1 else None
+        ops = implementations(FLAGS.chunk_size, seg)
         args = jax.block_until_ready(make_inputs(jax.random.key(0), B, T, H, K, jnp.dtype(FLAGS.dtype)))
         for name in FLAGS.implementations:
             if name not in ops:
                 print(f"{name}: not available here, skipped", flush=True)
                 continue
             for mode in FLAGS.modes:
-                rows.append(dict(profile_jax(name, ops[name], mode, args), shape=shape, docs_per_row=docs))
+                rows.append(dict(profile_jax(name, ops[name], mode, args), shape=shape, docs_per_row=docs,
+                                 docs_mean=documents_per_row(seg)))
                 r = rows[-1]
                 save_profile(rows)
                 print(f"{shape} {name} {mode}: wall {r['wall_ms']:.3f} ms, busy {r['busy_ms']:.3f} ms", flush=True)
@@ -607,7 +649,8 @@ def main(argv):
              f"Backend {env['backend']} ({env['device']}), {env['platform']}, {env['cpu_count']} CPUs; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}. {dtype} q/k/v/beta, fp32 g = "
              f"-5 sigmoid(N(0,1)), lower_bound {declared} declared to chunked / pallas; median of {iters} calls with fresh inputs "
-             f"after {warmup if warmup != '?' else 'some'} warm-up calls{stream_note}{fla_note}.{merged}", "",
+             f"after {warmup if warmup != '?' else 'some'} warm-up calls{stream_note}{fla_note}.{merged}"
+             + packed_note([r for r in rows if r["mode"] != "check"]), "",
              "| B×T×H×K | implementation | mode | median ms | min ms | max ms | back-to-back ms | vs recurrent |",
              "|---|---|---|---|---|---|---|---|"]
     for r in [r for r in rows if r["mode"] == "check"]:

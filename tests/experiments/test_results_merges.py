@@ -86,6 +86,13 @@ def test_bench_kda_from_json_header_and_duplicates(tmp_path):
     assert wall.split("|")[7].strip() == "2.00" and device.split("|")[7].strip() == "—", (wall, device)
     r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'a.json'}", "--out=", cwd=repo)
     assert r.returncode != 0 and "two timing rows" in r.stderr, r.stderr[-2000:]
+    # dense and packed rows: never one side-by-side table
+    (tmp_path / "p.json").write_text(json.dumps(dict(environment=env, rows=[
+        dict(row, implementation="pallas", docs_per_row=2, docs_mean=2.0)])))
+    r = _bench_kda(f"--from_json={tmp_path / 'a.json'},{tmp_path / 'p.json'}", "--out=", cwd=repo)
+    assert r.returncode != 0 and "different --docs_per_row" in r.stderr, r.stderr[-2000:]
+    r = _bench_kda(f"--from_json={tmp_path / 'p.json'}", f"--out={tmp_path / 'p'}", cwd=repo)
+    assert r.returncode == 0 and "Packed rows: --docs_per_row=2" in (tmp_path / "p.md").read_text(), r.stderr[-2000:]
     # A re-run merged after the first: its row replaces the first file's, other rows stay.
     (tmp_path / "b.json").write_text(json.dumps(dict(environment=dict(env, date="2026-12-02T00:00:00+00:00"),
                                                      rows=[dict(row, median_ms=0.25)])))
@@ -113,9 +120,13 @@ def test_bench_kda_rejects_flag_typos_before_timing(tmp_path):
     for flag, message in (("--modes=fwd,bwd", "--modes"), ("--implementations=chunkd", "--implementations"),
                           ("--shapes=1x64x1", "--shapes"), ("--declared_lower_bound=-7", "--declared_lower_bound"),
                           ("--declared_lower_bound=unbounded", "--declared_lower_bound"),
-                          ("--stream_calls=-1", "--stream_calls"), ("--iters=0", "--iters")):
-        r = _bench_kda(flag, "--out=", cwd=repo)
+                          ("--stream_calls=-1", "--stream_calls"), ("--iters=0", "--iters"),
+                          ("--docs_per_row=0", "--docs_per_row"), ("--docs_per_row=-3", "--docs_per_row"),
+                          ("--docs_per_row=3", "T / 64 = 2")):     # 128 tokens hold 2 documents of >= 64
+        r = _bench_kda("--shapes=1x128x1x16", flag, "--out=", cwd=repo)     # the flag last: it wins
         assert r.returncode != 0 and message in r.stderr, (flag, r.stderr[-1000:])
+    r = _bench_kda("--profile", "--docs_per_row=0", "--out=/tmp/unused", cwd=repo)
+    assert r.returncode != 0 and "--docs_per_row" in r.stderr, r.stderr[-1000:]
 
 
 def _run(*args, cwd):
