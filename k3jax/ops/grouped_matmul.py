@@ -415,7 +415,7 @@ def grouped_matmul(
         :func:`k3jax.ops.token_dispatch.permute`). "jla" then skips zeroing the rows past the groups
         in the output and in d_lhs: fwd+bwd on an H200 at M=32768, K=2048, N=1024, 64 groups, bf16
         0.979 -> 0.867 ms balanced, 1.057 -> 0.944 ms Zipf-skewed
-        (experiments/results/grouped_gemm_full_groups_h200.md). Checked on concrete sizes only (a
+        (experiments/results/grouped_gemm_h200.md). Checked on concrete sizes only (a
         traced ``sum < M`` leaves those rows unspecified). Default False is always correct.
 
     Returns:
