@@ -199,8 +199,11 @@ def _core_bwd(plan, scale, interpret, res, cts):
         parts = triton.solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, scale=scale, segments=rel,
                                  num_warps=tu.intra_warps, interpret=interpret)
     dv, dbeta, *scores = parts
-    dq, dk, dG = triton.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, unbounded=plan.unbounded,
-                                  num_warps=tu.intra_warps, interpret=interpret)
+    if plan.score_bwd == "mosaic_gpu":
+        dq, dk, dG = mgpu.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, interpret=interpret)
+    else:
+        dq, dk, dG = triton.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, unbounded=plan.unbounded,
+                                      num_warps=tu.intra_warps, interpret=interpret)
     dg = triton.chunk_cumsum(dG, CHUNK_SIZE, reverse=True, num_warps=tu.state_warps, interpret=interpret)
     return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None
 

@@ -15,7 +15,10 @@ the Triton one:
 | state_fwd  | mosaic_gpu (output fused)  | mosaic_gpu       | mosaic_gpu      |
 | state_bwd  | mosaic_gpu                 | mosaic_gpu       | mosaic_gpu      |
 | solve_bwd  | mosaic_gpu                 | mosaic_gpu       | mosaic_gpu      |
-| score_bwd  | triton                     | triton           | triton          |
+| score_bwd  | mosaic_gpu (*)             | mosaic_gpu (*)   | triton          |
+
+(*) with backend="mosaic_gpu" named; "auto" runs the Triton score_bwd until the Mosaic GPU one's
+compiled tests pass (its last two fixes, 2026-12-06, ran in interpret mode and CUDA lowering only).
 
 With segment_ids the Mosaic GPU intra kernels apply the document selects (Segments in
 mosaic_gpu/common.py, as triton/common.py's).
@@ -72,7 +75,7 @@ class Tuning:
 class Plan:
     """The kernels of one call: a backend per stage, the sequence split, the gate handling.
 
-    intra_fwd, state_fwd, state_bwd, solve_bwd: "triton" or "mosaic_gpu" (cumsum and score_bwd are
+    intra_fwd, state_fwd, state_bwd, solve_bwd, score_bwd: "triton" or "mosaic_gpu" (cumsum is
     always "triton"); seg_chunks: segment length (chunks) of the sequence split, 0 = one serial
     pass; centre: s, the diagonal tiles' factors are scaled by 2^(+-s) (centre_exponent; 0 for
     unbounded gates); block_v: V rows per serial-pass program.
@@ -83,6 +86,7 @@ class Plan:
     state_fwd: str
     state_bwd: str
     solve_bwd: str
+    score_bwd: str
     seg_chunks: int
     unbounded: bool
     segmented: bool
@@ -93,7 +97,7 @@ class Plan:
     def stages(self) -> dict[str, str]:
         """{stage: backend} in pipeline order."""
         return dict(cumsum="triton", intra_fwd=self.intra_fwd, state_fwd=self.state_fwd, state_bwd=self.state_bwd,
-                    solve_bwd=self.solve_bwd, score_bwd="triton")
+                    solve_bwd=self.solve_bwd, score_bwd=self.score_bwd)
 
 
 def centre_exponent(lower_bound: float, tile: int = TILE) -> int:
@@ -176,5 +180,6 @@ def make_plan(dtype, B: int, H: int, Tp: int, Kp: int, Vp: int, *, lower_bound, 
     return Plan(backend=resolved,
                 intra_fwd="mosaic_gpu" if mgpu and not unbounded else "triton",
                 state_fwd=resolved, state_bwd=resolved, solve_bwd=resolved,
+                score_bwd="mosaic_gpu" if mgpu and not unbounded and backend == "mosaic_gpu" else "triton",
                 seg_chunks=seg, unbounded=unbounded, segmented=segmented,
                 centre=0 if unbounded else centre_exponent(lower_bound), block_v=block_v, tuning=tuning)

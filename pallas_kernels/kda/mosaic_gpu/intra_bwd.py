@@ -27,9 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu.common import (BF16, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, Segments,
-                                                  check_dtypes, check_shapes, interpret_params, iota, keep, load,
-                                                  operand, segment_masks, split_bf16, staging)
+from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
+                                                  Segments, check_dtypes, check_qk, check_shapes, interpret_params,
+                                                  iota, keep, load, operand, segment_masks, split_bf16, staging)
 
 
 def _lower(n, strict=False):
@@ -276,3 +276,179 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
     hm = lambda x: x.reshape(B, H, *x.shape[1:])   # noqa: E731
     return (dv, jnp.swapaxes(dbeta.reshape(B, H, T), 1, 2), hm(dq), hm(dk), hm(dg), hm(dgl), hm(dm),
             hm(daqk))
+
+
+NB = CHUNK // BT
+
+
+def _pow2_scale(m):
+    """For m >= 0 fp32 (an array): (2^-e, 2^e) with 2^e <= m < 2^(e + 1), exact powers of two built
+    from m's exponent bits ((2^127, 0) where m is 0 or subnormal: nothing to scale)."""
+    e = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23)
+    as_f32 = lambda x: lax.bitcast_convert_type(lax.shift_left(x, 23), F32)   # noqa: E731
+    return as_f32(254 - e), as_f32(e)
+
+
+def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: int,
+              interpret: bool | plgpu.InterpretGPUParams = False):
+    """The score-tile backward on Hopper: triton/intra_bwd.py's score_bwd for bounded gates; chunk 64.
+
+    With the 16-row blocks r, their causal anchors anc_r (G before block r, 0 for r = 0) and the
+    centre exponent s (plan.centre_exponent), the score gradients dM (strictly lower) and dAqk
+    (lower) go through the anchored factors of the forward (intra_fwd.py):
+      da_m = ea * sum_r rows_r(dM kb_r),  da_q = ea * sum_r rows_r(dAqk kb_r),
+      sb   = eb * sum_r rows_r(dM^T ka_r + dAqk^T qa_r),
+    kb_r = k e^{anc_r - G} 2^-s on the rows of blocks <= r, ka_r, qa_r = (k, scale q) e^{G - anc_r} 2^s
+    on the rows of blocks >= r (selects on the exp argument: the other rows would overflow, and dM,
+    dAqk are zero against them; e^{G - anc_r} 2^s as two half-exponent factors, since e^{G - anc_r}
+    alone underflows fp32 on later rows where the product is still normal), ea = e^{G - anc} 2^s and
+    eb = e^{anc - G} 2^-s with each row's own anchor; then dq = dqp + scale da_q,
+    dk = dkp + da_m + sb, dG = dgp + k da_m + scale q da_q - k sb (+ dG_last on the chunk's last row).
+    dAqk's diagonal stays out of the products: it adds scale dAqk_ii k_i to dq_i and dAqk_ii scale q_i
+    to dk_i elementwise, and nothing to dG, where its two terms cancel exactly (through the products
+    they left dG at the bound, a ~1% difference of its terms, 1 ulp of those terms off, and broke
+    the op's loss-scale invariance test on the GPU, 2026-12-06).
+    Every product is a wgmma [64, 64] x [64, 64] (one K half at a time) on split-bf16 operands (hi hi
+    + lo hi + hi lo, as the Triton kernel's bf16x3 diagonal tiles; it runs bf16 off them). dM and dAqk
+    are first scaled by 2^-e, e the exponent of the chunk's largest |entry| (exact), so that the
+    products, their lo parts included (2^-9 of a term, times factors down to e^-40), are the same at
+    any loss scale on GPUs, which flush subnormals. Packed documents need no select here: dM, dAqk
+    are zero across documents.
+    I/O: dM, dAqk by TMA (into the factors' SMEM); q, k, G one K half at a time by TMA (the next half
+    after the last read of the current one) with G's anchor rows; the partials straight from HBM.
+    SMEM 98 KiB at K = 128: two CTAs an SM, one computing while the other waits on memory.
+
+    Args:
+      q, k: [B, T, H, K] bf16; G: [B, T, H, K] fp32, the chunk-local inclusive cumsum of g (nats);
+      dqp, dkp, dgp: [B, H, T, K] fp32 (solve_bwd's partials); dgl: [B, H, T / 64, K] fp32;
+      dM, dAqk: [B, H, T, 64] fp32 (solve_bwd's score gradients); scale: the query scale;
+      centre: the forward's centre exponent s; interpret: as state_fwd.
+    Returns: dq, dk [B, T, H, K] bf16; dG [B, T, H, K] fp32 per row (dG_last added on each chunk's
+      last row), before the reverse cumsum (as triton.intra_bwd.score_bwd).
+    Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, wrong dtypes or shapes.
+    """
+    B, T, H, K = check_qk(q, k)
+    NT, C, KH, BH = T // CHUNK, CHUNK, K // HALF, B * H
+    check_dtypes(dict(G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), F32)
+    want = dict(G=(B, T, H, K), dqp=(B, H, T, K), dkp=(B, H, T, K), dgp=(B, H, T, K), dgl=(B, H, NT, K),
+                dM=(B, H, T, C), dAqk=(B, H, T, C))
+    check_shapes(dict(G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), want, f"q {q.shape} (B, T, H, K)")
+    c_hi, c_lo = 2.0 ** int(centre), 2.0 ** -int(centre)
+    c_a, c_b = 2.0 ** (int(centre) // 2), 2.0 ** (int(centre) - int(centre) // 2)    # c_a c_b = 2^s
+
+    def body(q_ref, k_ref, G_ref, dqp_ref, dkp_ref, dgp_ref, dgl_ref, dm_ref, daqk_ref, dq_ref, dk_ref, dg_ref,
+             q_h, k_h, g_h, anc_s, diag_s, dm_hi, dm_lo, dq_hi, dq_lo, shared, bar_s, bars_h):
+        (dm_in, daqk_in), (fa_hi, fa_lo, fb_hi, fb_lo) = shared
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        rows = pl.ds(c * C, C)
+
+        def fetch_half(kh):                  # q, k, G of K half kh (and the anchor rows with half 0)
+            for src, dst in ((q_ref, q_h), (k_ref, k_h), (G_ref, g_h)):
+                plgpu.copy_gmem_to_smem(src.at[b, rows, hh, pl.ds(kh * HALF, HALF)], dst, bars_h.at[kh])
+
+        plgpu.copy_gmem_to_smem(dm_ref.at[bh, rows], dm_in, bar_s)
+        plgpu.copy_gmem_to_smem(daqk_ref.at[bh, rows], daqk_in, bar_s)
+        for r in range(NB - 1):              # G's rows 15, 31, 47: the anchors of blocks 1 .. 3
+            plgpu.copy_gmem_to_smem(G_ref.at[b, c * C + (r + 1) * BT - 1, hh], anc_s.at[r], bar_s)
+        fetch_half(0)
+        plgpu.barrier_wait(bar_s)
+        dm, da = load(dm_in), load(daqk_in)
+        # dAqk's diagonal enters dq, dk alone (elementwise, exact): its two terms of dG cancel exactly
+        # (scale q_i dAqk_ii k_i - k_i dAqk_ii scale q_i), and formed by products they would not
+        diagonal = iota((C, C), 0) == iota((C, C), 1)
+        diag_s[...] = jnp.sum(jnp.where(diagonal, da, 0.0), axis=1)
+        da = jnp.where(diagonal, 0.0, da)
+        mx = jnp.max(jnp.maximum(jnp.max(jnp.abs(dm), axis=1), jnp.max(jnp.abs(da), axis=1)), axis=0)
+        inv = _pow2_scale(plgpu.layout_cast(jnp.broadcast_to(mx, (C, C)), WG))[0]
+        split_bf16(dm * inv, dm_hi, dm_lo)
+        split_bf16(da * inv, dq_hi, dq_lo)
+        plgpu.commit_smem()                  # every read of dm_in, daqk_in (the factors' memory) done
+
+        def anchor(r, cols):                 # G_{16 r - 1} [HALF] (r may be traced); 0 for r = 0
+            return load(anc_s.at[jnp.maximum(r - 1, 0), cols], COL) * jnp.asarray(r > 0, F32)
+
+        def x3(acc, a_hi, a_lo, b_hi, b_lo):  # a b on split operands: hi hi + lo hi + hi lo
+            plgpu.wgmma(acc, a_hi, b_hi)
+            plgpu.wgmma(acc, a_lo, b_hi)
+            plgpu.wgmma(acc, a_hi, b_lo)
+
+        def half_step(kh, carry):
+            cols = pl.ds(kh * HALF, HALF)
+            plgpu.barrier_wait(bars_h.at[kh])
+
+            def block_step(r, acc):          # row block r's factors, then its rows of the products
+                da_m, da_q, sb = acc
+                rb = iota((C, HALF), 0) >> 4
+                anc = anchor(r, cols)[None, :]
+                g = load(g_h)
+                split_bf16(load(k_h, smem=True) * (jnp.exp(jnp.where(rb <= r, anc - g, 0.0)) * c_lo), fa_hi, fa_lo)
+                plgpu.commit_smem()
+
+                def row_dots(a_m, a_q):      # dM kb_r, dAqk kb_r
+                    x3(a_m, dm_hi, dm_lo, fa_hi, fa_lo)
+                    x3(a_q, dq_hi, dq_lo, fa_hi, fa_lo)
+                    return a_m[...], a_q[...]
+                p_m, p_q = pl.run_scoped(row_dots, plgpu.ACC((C, HALF), F32), plgpu.ACC((C, HALF), F32))
+                own = (iota((C, HALF), 0) >> 4) == r
+                da_m, da_q = jnp.where(own, p_m, da_m), jnp.where(own, p_q, da_q)
+                plgpu.commit_smem()          # every warp's wgmma reads of fa are done
+                eh = jnp.exp(jnp.where(rb >= r, 0.5 * (load(g_h) - anc), 0.0))
+                ea_a, ea_b = eh * c_a, eh * c_b
+                split_bf16(jnp.where(rb >= r, (load(k_h, smem=True) * ea_a) * ea_b, 0.0), fa_hi, fa_lo)
+                split_bf16(jnp.where(rb >= r, (scale * load(q_h, smem=True) * ea_a) * ea_b, 0.0), fb_hi, fb_lo)
+                plgpu.commit_smem()
+
+                def col_dots(a_s):           # dM^T ka_r + dAqk^T qa_r
+                    x3(a_s, dm_hi.T, dm_lo.T, fa_hi, fa_lo)
+                    x3(a_s, dq_hi.T, dq_lo.T, fb_hi, fb_lo)
+                    return a_s[...]
+                p_s = pl.run_scoped(col_dots, plgpu.ACC((C, HALF), F32))
+                sb = jnp.where((iota((C, HALF), 0) >> 4) == r, p_s, sb)
+                plgpu.commit_smem()          # every warp's wgmma reads of fa, fb are done
+                return da_m, da_q, sb
+
+            zero = plgpu.layout_cast(jnp.zeros((C, HALF), F32), WG)
+            da_m, da_q, sb = lax.fori_loop(0, NB, block_step, (zero, zero, zero))
+            # each row's own anchor: ea, eb; the cotangents' scale undone
+            rb = iota((C, HALF), 0) >> 4
+            g = load(g_h)
+            anc = jnp.zeros_like(g)
+            for r in range(1, NB):
+                anc = jnp.where(rb == r, anchor(r, cols)[None, :], anc)
+            # the scale last: e^{G - anc} 2^s times it could be subnormal (flushed) at small loss scales
+            un = _pow2_scale(plgpu.layout_cast(jnp.broadcast_to(mx, (C, HALF)), WG))[1]
+            ea = jnp.exp(g - anc) * c_hi
+            da_m, da_q = (da_m * ea) * un, (da_q * ea) * un
+            sb = (sb * (jnp.exp(anc - g) * c_lo)) * un
+            kf, qs = load(k_h, smem=True), scale * load(q_h, smem=True)
+            d = plgpu.layout_cast(jnp.broadcast_to(load(diag_s, ROW)[:, None], (C, HALF)), WG)
+            plgpu.commit_smem()              # every read of this half's q, k, G is done: fetch the next
+
+            @pl.when(kh + 1 < KH)
+            def _():
+                fetch_half(kh + 1)
+            dG = load(dgp_ref.at[bh, rows, cols]) + kf * (da_m - sb) + qs * da_q
+            dq_ref.at[b, rows, hh, cols][...] = (load(dqp_ref.at[bh, rows, cols]) + scale * (da_q + d * kf)).astype(
+                dq_ref.dtype)
+            dk_ref.at[b, rows, hh, cols][...] = (load(dkp_ref.at[bh, rows, cols]) + da_m + sb + d * qs).astype(
+                dk_ref.dtype)
+            last = jnp.where(iota((C, HALF), 0) == C - 1, 1.0, 0.0)
+            dg_ref.at[b, rows, hh, cols][...] = dG + last * load(dgl_ref.at[bh, c, cols], COL)[None, :]
+            return carry
+
+        lax.fori_loop(0, KH, half_step, 0)
+
+    tok = jax.ShapeDtypeStruct((B, T, H, K), BF16)
+    # SMEM (K = 128): one K half of q, k, G 32 KiB; dM, dAqk split 32 KiB; dM, dAqk staged, later
+    # the factors, 32 KiB; the anchor rows 1.5 KiB
+    shared = plgpu.RefUnion((staging((C, C), F32), staging((C, C), F32)), tuple(operand((C, HALF)) for _ in range(4)))
+    kernel = plgpu.kernel(
+        body, out_type=(tok, tok, jax.ShapeDtypeStruct((B, T, H, K), F32)),
+        scratch_types=[operand((C, HALF)), operand((C, HALF)), staging((C, HALF), F32), plgpu.SMEM((NB - 1, K), F32),
+                       plgpu.SMEM((C,), F32), *[operand((C, C))] * 4, shared, plgpu.Barrier(num_arrivals=2 + NB - 1),
+                       plgpu.Barrier(num_arrivals=3, num_barriers=KH)],
+        grid=(BH, NT), grid_names=("bh", "c"), compiler_params=EXP_PARAMS,
+        interpret=interpret_params(interpret), kernel_name="kda_intra_bwd_scores_mgpu")
+    flat = lambda x: x.reshape(BH, *x.shape[2:])   # noqa: E731
+    return kernel(q, k, G, flat(dqp), flat(dkp), flat(dgp), flat(dgl), flat(dM), flat(dAqk))

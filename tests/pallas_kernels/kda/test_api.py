@@ -265,7 +265,7 @@ class TestTritonInterpret(PallasKDATests):
 
 class TestMosaicGPUInterpret(PallasKDATests):
     """The sm_90 kernels in Mosaic GPU interpret mode (CPU), with the Triton ones where the plan
-    says (cumsum, score_bwd; intra_fwd for unbounded gates). bf16, K, V -> 64 / 128."""
+    says (cumsum; intra_fwd and score_bwd for unbounded gates). bf16, K, V -> 64 / 128."""
 
     backend = "mosaic_gpu"
     head_dims = (64, 60)
@@ -466,13 +466,16 @@ class TestPlan:
     def test_stage_table(self):
         M, T = "mosaic_gpu", "triton"
         seg = jax.ShapeDtypeStruct((1, 128), jnp.int32)
-        for kw, want in [(dict(lower_bound=-5.0), (M, M, M, M)), (dict(lower_bound=-5.0, segment_ids=seg), (M, M, M, M)),
-                         (dict(lower_bound=None), (T, M, M, M)), (dict(lower_bound=None, segment_ids=seg), (T, M, M, M))]:
+        for kw, want in [(dict(lower_bound=-5.0), (M, M, M, M, M)), (dict(lower_bound=-5.0, segment_ids=seg), (M, M, M, M, M)),
+                         (dict(lower_bound=None), (T, M, M, M, T)), (dict(lower_bound=None, segment_ids=seg), (T, M, M, M, T))]:
             p = pk.kda_plan(*_shapes(128, 128, T=128), interpret=True, backend="mosaic_gpu", **kw)
-            assert (p.intra_fwd, p.state_fwd, p.state_bwd, p.solve_bwd) == want, kw
-            assert p.stages()["cumsum"] == p.stages()["score_bwd"] == T
+            assert (p.intra_fwd, p.state_fwd, p.state_bwd, p.solve_bwd, p.score_bwd) == want, kw
+            assert p.stages()["cumsum"] == T and p.stages()["score_bwd"] == p.score_bwd
             t = pk.kda_plan(*_shapes(128, 128, T=128), interpret=True, backend="triton", **kw)
             assert set(t.stages().values()) == {T}
+        with fake_h200(True):            # auto: the Triton score_bwd until the Mosaic GPU one's GPU tests pass
+            auto = pk.kda_plan(*_shapes(128, 128, T=128), lower_bound=-5.0)
+        assert auto.backend == M and auto.solve_bwd == M and auto.score_bwd == T
         p = pk.kda_plan(*_shapes(128, 128, T=128), lower_bound=-5.0, interpret=True, backend="triton")
         assert p.centre == 58 and not p.unbounded                     # 2^58 ~ e^40: half a tile's 80 nats
         assert pk.kda_plan(*_shapes(), lower_bound=-2.0).centre == 23
@@ -568,8 +571,10 @@ class TestLowering:
         assert grad != self._texts("triton")[1]
 
     @pytest.mark.parametrize("segments, lower_bound, mosaic", [
-        (False, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
-        (True, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
+        (False, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu",
+                       "kda_intra_bwd_scores_mgpu")),
+        (True, -5.0, ("kda_intra_fwd_mgpu", "kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu",
+                      "kda_intra_bwd_scores_mgpu")),
         (True, None, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu")),
         (False, None, ("kda_state_fwd_mgpu", "kda_state_bwd_mgpu", "kda_intra_bwd_solve_mgpu"))])
     def test_mosaic_gpu(self, segments, lower_bound, mosaic):
@@ -579,14 +584,14 @@ class TestLowering:
         assert grad.count("custom_call @mosaic_gpu") == len(mosaic)
         for name in mosaic:
             assert name in grad, name
-        n_triton = 9 - {4: 6, 3: 4}[len(mosaic)]       # each Mosaic GPU kernel replaces Triton ones
+        n_triton = 9 - {5: 7, 3: 4}[len(mosaic)]       # each Mosaic GPU kernel replaces Triton ones
         assert self._triton_calls(grad) == n_triton
         assert ("kda_intra_fwd_mgpu" in fwd) == ("kda_intra_fwd_mgpu" in mosaic)
 
     def test_layers_share_one_lowering(self):
         # Two calls on the same shapes (two layers of a model), differentiated: each kernel is lowered
         # once (the custom_vjp core is one jit whose traced jaxpr both calls share, forward and backward;
-        # before, the 4 Mosaic GPU kernels were lowered per call, ~1.5 s each: ~30 s at K3-small).
+        # before, the Mosaic GPU kernels were lowered per call, ~1.5 s each: ~30 s at K3-small).
         shapes = _shapes(128, 128, T=256)
 
         def layer(q, k, v, g, beta):
@@ -597,5 +602,5 @@ class TestLowering:
         with fake_h200(True):
             one = lowered(loss(layer), *shapes)
             two = lowered(loss(lambda q, k, v, g, beta: layer(layer(q, k, v, g, beta), k, v, g, beta)), *shapes)
-        assert one.count("custom_call @mosaic_gpu") == two.count("custom_call @mosaic_gpu") == 4
-        assert self._triton_calls(one) == self._triton_calls(two) == 3
+        assert one.count("custom_call @mosaic_gpu") == two.count("custom_call @mosaic_gpu") == 5
+        assert self._triton_calls(one) == self._triton_calls(two) == 2   # the two cumsums

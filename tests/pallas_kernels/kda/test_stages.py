@@ -100,6 +100,54 @@ def solve_bwd_inputs(B, T, H, K, V, seed=0):
             (tri(11) + jnp.eye(64)).reshape(B, H, T, 64), tri(12).reshape(B, H, T, 64))
 
 
+def score_bwd_inputs(B, T, H, K, seed=0, cotangent_scale=1.0, at_bound=False, cancel=False):
+    """score_bwd's inputs: q, k, G of intra_inputs (at_bound: g = -5 on every channel, so each 16-token
+    tile spans the full 80 nats), fp32 partials dqp, dkp, dgp, dgl and score gradients dM (strictly
+    lower per chunk), dAqk (lower), all cotangents at cotangent_scale. cancel: dgp cancels the score
+    terms of dG but 1% (as in training, where dG is a small difference of large terms: a kernel
+    whose terms are good to bf16 only misses it by ~20%)."""
+    q, k, _, G, _ = intra_inputs(B, T, H, K, K, seed)
+    if at_bound:
+        G = jnp.cumsum(jnp.full((B, T // 64, 64, H, K), -5.0), axis=2).reshape(B, T, H, K)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 7), 6)
+    NT = T // 64
+    n = lambda i, shape: cotangent_scale * jax.random.normal(ks[i], shape)   # noqa: E731
+    dM = jnp.tril(n(0, (B, H, NT, 64, 64)), -1).reshape(B, H, T, 64)
+    dAqk = jnp.tril(n(1, (B, H, NT, 64, 64))).reshape(B, H, T, 64)
+    args = [q, k, G, n(2, (B, H, T, K)), n(3, (B, H, T, K)), n(4, (B, H, T, K)), n(5, (B, H, NT, K)), dM, dAqk]
+    if cancel:
+        zero = jnp.zeros_like(args[3])
+        terms = score_bwd_exact(q, k, G, zero, zero, zero, jnp.zeros_like(args[6]), dM, dAqk, K ** -0.5)[2]
+        args[5] = jnp.asarray(-terms.reshape(B, T // 64, 64, H, K).transpose(0, 3, 1, 2, 4).reshape(B, H, T, K)
+                              + 0.01 * np.std(terms) * np.asarray(args[5]) / cotangent_scale, jnp.float32)
+        args[6] = jnp.zeros_like(args[6])
+    return tuple(args)
+
+
+def score_bwd_exact(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, scale):
+    """The score backward in float64 numpy, pair by pair (no anchors, no factors):
+    da_m_i = sum_j dM_ij k_j e^{G_i - G_j}, da_q_i = sum_j dAqk_ij k_j e^{G_i - G_j},
+    sb_j = sum_i (dM_ij k_i + dAqk_ij scale q_i) e^{G_i - G_j}; returns dq, dk, dG [B, T, H, K]."""
+    q, k, G, dqp, dkp, dgp, dgl, dM, dAqk = (np.asarray(x, np.float64) for x in (q, k, G, dqp, dkp, dgp, dgl, dM, dAqk))
+    B, T, H, K = q.shape
+    NT = T // 64
+    chunks = lambda x: x.reshape(B, NT, 64, H, K).transpose(0, 3, 1, 2, 4)     # noqa: E731  [B, H, NT, C, K]
+    q, k, G = chunks(q), chunks(k), chunks(G)
+    dM, dAqk = dM.reshape(B, H, NT, 64, 64), dAqk.reshape(B, H, NT, 64, 64)
+    i = np.arange(64)
+    causal = (i[:, None] >= i[None, :])[..., None]
+    E = np.exp(np.where(causal, G[..., :, None, :] - G[..., None, :, :], -np.inf))  # [..., i, j, K]
+    qs = scale * q
+    da_m = np.einsum("...ij,...jc,...ijc->...ic", dM, k, E)
+    da_q = np.einsum("...ij,...jc,...ijc->...ic", dAqk, k, E)
+    sb = np.einsum("...ij,...ic,...ijc->...jc", dM, k, E) + np.einsum("...ij,...ic,...ijc->...jc", dAqk, qs, E)
+    hm = lambda x: x.reshape(B, H, NT, 64, K)      # noqa: E731
+    dG = hm(dgp) + k * da_m + qs * da_q - k * sb
+    dG[..., 63, :] += dgl
+    tm = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(B, T, H, K)   # noqa: E731
+    return tm(hm(dqp) + scale * da_q), tm(hm(dkp) + da_m + sb), tm(dG)
+
+
 # Documents of the segmented stage tests, T = 256 (4 chunks), one pattern a row: 0: length-1
 # documents either side of a tile edge (15, 16) and of two chunk edges (63, 64; 127, 128), a start
 # mid-tile (100) and at a chunk start (192); 1: a document per token; 2: a start at every chunk start
@@ -180,6 +228,22 @@ def solve_bwd_pair(args, interpret, segments=None):
     return out, ref
 
 
+def score_bwd_pair(args, interpret):
+    scale = args[0].shape[-1] ** -0.5
+    out = jax.jit(lambda *a: mgpu.score_bwd(*a, scale=scale, centre=CENTRE, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: triton.score_bwd(*a, scale=scale, centre=CENTRE, unbounded=False,
+                                              interpret=interpret))(*args)
+    return out, ref
+
+
+def assert_score_bwd_exact(name, args, out, tol_dqk, tol_dG):
+    """out (dq, dk bf16, dG fp32) against the float64 math: dq, dk within their bf16 rounding
+    (tol_dqk), dG within tol_dG (RMS ratios)."""
+    exact = score_bwd_exact(*args, args[0].shape[-1] ** -0.5)
+    return [assert_rms_close(f"{name}[{i}]", e, np.asarray(o, np.float64), tol)
+            for i, (e, o, tol) in enumerate(zip(exact, out, (tol_dqk, tol_dqk, tol_dG), strict=True))]
+
+
 def assert_masks_matter(out, dense, single_rows, name, tol=1e-6):
     """The segmented outputs equal the dense kernel's on the rows with one document (single_rows;
     within tol: XLA may contract a product into an FMA on one side of a select and not the other)
@@ -219,7 +283,8 @@ class TestMosaicGPUStages:
     # Left to `make test-full`: the second size of each stage (CI keeps K = 128 or V = 128, the trained shape).
     full_tier = ("test_intra_fwd[shape1]", "test_intra_fwd_segments[64-64]", "test_solve_bwd_segments[64-64]",
                  "test_lowers_for_cuda[64]", "test_solve_bwd[2-64-1-64-128]", "test_solve_bwd[1-128-1-128-64]",
-                 "test_state_fwd[2-1-128-64-128-None-False-1e-05]", "test_state_bwd[2-1-128-64-64-None-1e-05]")
+                 "test_state_fwd[2-1-128-64-128-None-False-1e-05]", "test_state_bwd[2-1-128-64-64-None-1e-05]",
+                 "test_score_bwd[2-64-1-64]")
 
     @pytest.mark.parametrize("shape", [(1, 128, 2, 128, 128), (2, 128, 1, 64, 128)])
     def test_intra_fwd(self, shape):
@@ -257,6 +322,25 @@ class TestMosaicGPUStages:
         # dv = beta A^T dU reads no factor the documents mask (A, M are inputs here): the dense dv
         assert_masks_matter(out[1:], dense[1:], [3], "solve_bwd")
         np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(dense[0], np.float32))
+
+    @pytest.mark.parametrize("B, T, H, K", [(1, 128, 2, 128), (2, 64, 1, 64)])
+    def test_score_bwd(self, B, T, H, K):
+        # Every product with split-bf16 operands (bf16x3) against the float64 math: at the bound
+        # (every tile spans 80 nats), at cotangent scales 1 and 2^-20 (about 1 / tokens of a batch),
+        # and with dG a 1% difference of its terms (cancel). Measured (interpret; the Triton kernel's
+        # diagonal tiles fp32 here, bf16 off them): dq, dk 1.7e-3 (their bf16 rounding); dG 1.5e-7,
+        # cancelling 4.4e-4 (Triton 0.15) and 4.2e-4 at the bound (Triton 0.038). Caught: bf16
+        # factors (dG 1.6e-2 cancelling); e^{G - anc} 2^s formed as one exp for the rows of later
+        # blocks (it underflows: 0.11 at the bound); dAqk's diagonal through the products (its dG
+        # terms cancel: 0.038 at the bound).
+        for at_bound, c, cancel in ((False, 1.0, False), (True, 1.0, False), (True, 2.0 ** -20, False),
+                                    (False, 1.0, True), (True, 2.0 ** -20, True)):
+            args = score_bwd_inputs(B, T, H, K, cotangent_scale=c, at_bound=at_bound, cancel=cancel)
+            out, ref = score_bwd_pair(args, True)
+            name = f"score_bwd {(B, T, H, K)} at_bound={at_bound} scale={c} cancel={cancel}"
+            assert_score_bwd_exact(name, args, out, 3e-3, 1e-3 if cancel else 1e-6)
+            if not cancel:
+                compare(name + " vs triton", out, ref, 3e-3)
 
     @pytest.mark.parametrize("B, H, T, K, V, segments, write_states, tol", [
         (1, 2, 192, 128, 128, None, True, 1e-3), (2, 1, 128, 64, 128, None, False, 1e-5),
@@ -312,6 +396,7 @@ class TestMosaicGPUStages:
         assert no_races(mgpu.state_bwd, *state_bwd_inputs(1, 1, 256, 128, 64))
         assert no_races(mgpu.intra_fwd, *intra_inputs(1, 64, 1, 128, 128), scale=0.1, centre=CENTRE, save_solve=True)
         assert no_races(mgpu.solve_bwd, *solve_bwd_inputs(1, 64, 1, 128, 128), scale=0.1)
+        assert no_races(mgpu.score_bwd, *score_bwd_inputs(1, 64, 1, 128), scale=0.1, centre=CENTRE)
         rel = stage_rel([[0, 15, 16, 17, 40, 64]], 64)       # documents: the selects read seg from HBM only
         assert no_races(mgpu.intra_fwd, *intra_inputs(1, 64, 1, 128, 128), scale=0.1, centre=CENTRE, save_solve=True,
                         segments=rel)
@@ -349,11 +434,16 @@ class TestMosaicGPUStages:
         sb[9] = sb[9].astype(jnp.float32)
         with pytest.raises(ValueError, match="must be bfloat16"):
             mgpu.solve_bwd(*sb, scale=0.1, interpret=True)
+        sc = list(score_bwd_inputs(1, 64, 1, 64))
+        with pytest.raises(ValueError, match="dgl"):
+            mgpu.score_bwd(*sc[:6], sc[6][..., :32], *sc[7:], scale=0.1, centre=CENTRE, interpret=True)
+        with pytest.raises(ValueError, match="dM"):
+            mgpu.score_bwd(*sc[:7], sc[7].astype(BF), sc[8], scale=0.1, centre=CENTRE, interpret=True)
 
     @pytest.mark.parametrize("K", [64, 128])
     def test_lowers_for_cuda(self, K):
         # Lowering checks the shared-memory limit (227 KiB: intra_fwd 98 KiB, state_fwd 209 KiB,
-        # solve_bwd 224 KiB at K = V = 128) and the layouts; each kernel by its profile name.
+        # solve_bwd 224 KiB, score_bwd 129 KiB at K = V = 128) and the layouts; each kernel by its profile name.
         sd = jax.ShapeDtypeStruct
         B, H, T, V = 2, 4, 1024, 128
         f32 = jnp.float32
@@ -382,6 +472,10 @@ class TestMosaicGPUStages:
         assert "kda_intra_bwd_solve_mgpu" in text(
             lambda *a: mgpu.solve_bwd(*a[:13], segments=a[13], scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32),
             sd((B, T, H), BF), tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32), rel)
+        hm_f = sd((B, H, T, K), f32)
+        assert "kda_intra_bwd_scores_mgpu" in text(
+            lambda *a: mgpu.score_bwd(*a, scale=0.1, centre=CENTRE), tok_k, tok_k, sd((B, T, H, K), f32), hm_f, hm_f,
+            hm_f, sd((B, H, T // 64, K), f32), sd((B, H, T, 64), f32), sd((B, H, T, 64), f32))
 
 
 @pytest.mark.gpu
@@ -408,6 +502,23 @@ class TestStagesGPU:
     def test_solve_bwd(self, shape):
         out, ref = solve_bwd_pair(solve_bwd_inputs(*shape), False)
         print(shape, compare(f"solve_bwd {shape}", out, ref, 1e-3))
+
+    @pytest.mark.parametrize("shape", [(8, 4096, 16, 128), (2, 1024, 4, 64)])
+    def test_score_bwd(self, shape):
+        # Compiled: against the compiled Triton kernel (bf16x3 diagonal tiles) and the float64 math
+        # on two heads' worth of chunks, at the bound, cancelling, at cotangent scale 2^-20; and the
+        # same outputs (times 2^-60) for cotangents times 2^-60 (GPUs flush subnormals).
+        out, ref = score_bwd_pair(score_bwd_inputs(*shape), False)
+        print(shape, compare(f"score_bwd {shape}", out, ref, 3e-3))
+        small = score_bwd_inputs(1, 512, 2, shape[-1], cotangent_scale=2.0 ** -20, at_bound=True, cancel=True)
+        out = score_bwd_pair(small, False)[0]
+        print(shape, assert_score_bwd_exact(f"score_bwd {shape} exact", small, out, 3e-3, 1e-3))
+        # the same products at any loss scale: the cotangents (and so the outputs) times 2^-60, exactly
+        # (unscaled, the lo parts of the products would be subnormal there, and flushed)
+        tiny = [x * 2.0 ** -60 if i >= 3 else x for i, x in enumerate(small)]
+        out_tiny = score_bwd_pair(tiny, False)[0]
+        for i in range(3):
+            np.testing.assert_array_equal(np.asarray(out_tiny[i], np.float32) * 2.0 ** 60, np.asarray(out[i], np.float32))
 
     @pytest.mark.parametrize("shape", [(8, 4096, 16, 128, 128), (32, 2048, 6, 128, 128), (2, 1024, 4, 64, 64)])
     def test_intra_fwd_segments(self, shape):
