@@ -283,8 +283,10 @@ NB = CHUNK // BT
 
 def _pow2_scale(m):
     """For m >= 0 fp32 (an array): (2^-e, 2^e) with 2^e <= m < 2^(e + 1), exact powers of two built
-    from m's exponent bits ((2^127, 0) where m is 0 or subnormal: nothing to scale)."""
-    e = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23)
+    from m's exponent bits; e within [-126, 126]: where m is 0 or subnormal (2^126, 2^-126) (the
+    products of such a chunk are at most ~1e-38 and flushed), where m >= 2^127, inf or NaN (2^-126,
+    2^126) (inf and NaN stay in the products they enter)."""
+    e = jnp.clip(lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23), 1, 253)
     as_f32 = lambda x: lax.bitcast_convert_type(lax.shift_left(x, 23), F32)   # noqa: E731
     return as_f32(254 - e), as_f32(e)
 
@@ -316,7 +318,7 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
     are zero across documents.
     I/O: dM, dAqk by TMA (into the factors' SMEM); q, k, G one K half at a time by TMA (the next half
     after the last read of the current one) with G's anchor rows; the partials straight from HBM.
-    SMEM 98 KiB at K = 128: two CTAs an SM, one computing while the other waits on memory.
+    SMEM 101 KiB at K = 128 (100 at K = 64): two CTAs an SM, one computing while the other waits on memory.
 
     Args:
       q, k: [B, T, H, K] bf16; G: [B, T, H, K] fp32, the chunk-local inclusive cumsum of g (nats);
@@ -330,9 +332,9 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
     B, T, H, K = check_qk(q, k)
     NT, C, KH, BH = T // CHUNK, CHUNK, K // HALF, B * H
     check_dtypes(dict(G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), F32)
-    want = dict(G=(B, T, H, K), dqp=(B, H, T, K), dkp=(B, H, T, K), dgp=(B, H, T, K), dgl=(B, H, NT, K),
+    want = dict(k=(B, T, H, K), G=(B, T, H, K), dqp=(B, H, T, K), dkp=(B, H, T, K), dgp=(B, H, T, K), dgl=(B, H, NT, K),
                 dM=(B, H, T, C), dAqk=(B, H, T, C))
-    check_shapes(dict(G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), want, f"q {q.shape} (B, T, H, K)")
+    check_shapes(dict(k=k, G=G, dqp=dqp, dkp=dkp, dgp=dgp, dgl=dgl, dM=dM, dAqk=dAqk), want, f"q {q.shape} (B, T, H, K)")
     c_hi, c_lo = 2.0 ** int(centre), 2.0 ** -int(centre)
     c_a, c_b = 2.0 ** (int(centre) // 2), 2.0 ** (int(centre) - int(centre) // 2)    # c_a c_b = 2^s
 
@@ -433,15 +435,15 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
                 dq_ref.dtype)
             dk_ref.at[b, rows, hh, cols][...] = (load(dkp_ref.at[bh, rows, cols]) + da_m + sb + d * qs).astype(
                 dk_ref.dtype)
-            last = jnp.where(iota((C, HALF), 0) == C - 1, 1.0, 0.0)
-            dg_ref.at[b, rows, hh, cols][...] = dG + last * load(dgl_ref.at[bh, c, cols], COL)[None, :]
+            dg_ref.at[b, rows, hh, cols][...] = jnp.where(iota((C, HALF), 0) == C - 1,
+                                                          dG + load(dgl_ref.at[bh, c, cols], COL)[None, :], dG)
             return carry
 
         lax.fori_loop(0, KH, half_step, 0)
 
     tok = jax.ShapeDtypeStruct((B, T, H, K), BF16)
     # SMEM (K = 128): one K half of q, k, G 32 KiB; dM, dAqk split 32 KiB; dM, dAqk staged, later
-    # the factors, 32 KiB; the anchor rows 1.5 KiB
+    # the factors, 32 KiB; the anchor rows 1.5 KiB; the reduction scratch 2 KiB (101 KiB measured)
     shared = plgpu.RefUnion((staging((C, C), F32), staging((C, C), F32)), tuple(operand((C, HALF)) for _ in range(4)))
     kernel = plgpu.kernel(
         body, out_type=(tok, tok, jax.ShapeDtypeStruct((B, T, H, K), F32)),

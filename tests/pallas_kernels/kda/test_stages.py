@@ -100,15 +100,15 @@ def solve_bwd_inputs(B, T, H, K, V, seed=0):
             (tri(11) + jnp.eye(64)).reshape(B, H, T, 64), tri(12).reshape(B, H, T, 64))
 
 
-def score_bwd_inputs(B, T, H, K, seed=0, cotangent_scale=1.0, at_bound=False, cancel=False):
-    """score_bwd's inputs: q, k, G of intra_inputs (at_bound: g = -5 on every channel, so each 16-token
-    tile spans the full 80 nats), fp32 partials dqp, dkp, dgp, dgl and score gradients dM (strictly
+def score_bwd_inputs(B, T, H, K, seed=0, cotangent_scale=1.0, at_bound=False, cancel=False, bound=-5.0):
+    """score_bwd's inputs: q, k, G of intra_inputs (at_bound: g = bound on every channel, so each
+    16-token tile spans 16 |bound| nats), fp32 partials dqp, dkp, dgp, dgl and score gradients dM (strictly
     lower per chunk), dAqk (lower), all cotangents at cotangent_scale. cancel: dgp cancels the score
     terms of dG but 1% (as in training, where dG is a small difference of large terms: a kernel
     whose terms are good to bf16 only misses it by ~20%)."""
     q, k, _, G, _ = intra_inputs(B, T, H, K, K, seed)
     if at_bound:
-        G = jnp.cumsum(jnp.full((B, T // 64, 64, H, K), -5.0), axis=2).reshape(B, T, H, K)
+        G = jnp.cumsum(jnp.full((B, T // 64, 64, H, K), bound), axis=2).reshape(B, T, H, K)
     ks = jax.random.split(jax.random.PRNGKey(seed + 7), 6)
     NT = T // 64
     n = lambda i, shape: cotangent_scale * jax.random.normal(ks[i], shape)   # noqa: E731
@@ -228,10 +228,10 @@ def solve_bwd_pair(args, interpret, segments=None):
     return out, ref
 
 
-def score_bwd_pair(args, interpret):
+def score_bwd_pair(args, interpret, centre=CENTRE):
     scale = args[0].shape[-1] ** -0.5
-    out = jax.jit(lambda *a: mgpu.score_bwd(*a, scale=scale, centre=CENTRE, interpret=interpret))(*args)
-    ref = jax.jit(lambda *a: triton.score_bwd(*a, scale=scale, centre=CENTRE, unbounded=False,
+    out = jax.jit(lambda *a: mgpu.score_bwd(*a, scale=scale, centre=centre, interpret=interpret))(*args)
+    ref = jax.jit(lambda *a: triton.score_bwd(*a, scale=scale, centre=centre, unbounded=False,
                                               interpret=interpret))(*args)
     return out, ref
 
@@ -332,15 +332,27 @@ class TestMosaicGPUStages:
         # cancelling 4.4e-4 (Triton 0.15) and 4.2e-4 at the bound (Triton 0.038). Caught: bf16
         # factors (dG 1.6e-2 cancelling); e^{G - anc} 2^s formed as one exp for the rows of later
         # blocks (it underflows: 0.11 at the bound); dAqk's diagonal through the products (its dG
-        # terms cancel: 0.038 at the bound).
+        # terms cancel: 0.038 at the bound); the cotangents unscaled (at 2^-60 the lo products are
+        # subnormal, which XLA:CPU flushes as GPUs do: dG 12); an odd centre (lower_bound -2, s = 23)
+        # split wrongly into the two half-exponent factors.
+        base = None
         for at_bound, c, cancel in ((False, 1.0, False), (True, 1.0, False), (True, 2.0 ** -20, False),
-                                    (False, 1.0, True), (True, 2.0 ** -20, True)):
+                                    (False, 1.0, True), (True, 2.0 ** -20, True), (True, 2.0 ** -60, True)):
             args = score_bwd_inputs(B, T, H, K, cotangent_scale=c, at_bound=at_bound, cancel=cancel)
             out, ref = score_bwd_pair(args, True)
             name = f"score_bwd {(B, T, H, K)} at_bound={at_bound} scale={c} cancel={cancel}"
             assert_score_bwd_exact(name, args, out, 3e-3, 1e-3 if cancel else 1e-6)
             if not cancel:
                 compare(name + " vs triton", out, ref, 3e-3)
+            base = (args, out) if (c, cancel) == (2.0 ** -20, True) else base
+        # the same products at any loss scale: cotangents times 2^-60 give the outputs times 2^-60, bit for bit
+        args, out = base
+        tiny = [x * 2.0 ** -60 if i >= 3 else x for i, x in enumerate(args)]
+        for o, t in zip(out, score_bwd_pair(tiny, True)[0], strict=True):
+            np.testing.assert_array_equal(np.asarray(t, np.float32) * 2.0 ** 60, np.asarray(o, np.float32))
+        args = score_bwd_inputs(B, T, H, K, at_bound=True, cancel=True, bound=-2.0)
+        assert_score_bwd_exact(f"score_bwd {(B, T, H, K)} lower_bound -2", args,
+                               score_bwd_pair(args, True, centre=centre_exponent(-2.0))[0], 3e-3, 1e-3)
 
     @pytest.mark.parametrize("B, H, T, K, V, segments, write_states, tol", [
         (1, 2, 192, 128, 128, None, True, 1e-3), (2, 1, 128, 64, 128, None, False, 1e-5),
@@ -439,11 +451,14 @@ class TestMosaicGPUStages:
             mgpu.score_bwd(*sc[:6], sc[6][..., :32], *sc[7:], scale=0.1, centre=CENTRE, interpret=True)
         with pytest.raises(ValueError, match="dM"):
             mgpu.score_bwd(*sc[:7], sc[7].astype(BF), sc[8], scale=0.1, centre=CENTRE, interpret=True)
+        with pytest.raises(ValueError, match="'k'"):
+            mgpu.score_bwd(sc[0], jnp.concatenate([sc[1], sc[1]], axis=2), *sc[2:], scale=0.1, centre=CENTRE,
+                           interpret=True)
 
     @pytest.mark.parametrize("K", [64, 128])
     def test_lowers_for_cuda(self, K):
         # Lowering checks the shared-memory limit (227 KiB: intra_fwd 98 KiB, state_fwd 209 KiB,
-        # solve_bwd 224 KiB, score_bwd 129 KiB at K = V = 128) and the layouts; each kernel by its profile name.
+        # solve_bwd 224 KiB, score_bwd 101 KiB at K = V = 128) and the layouts; each kernel by its profile name.
         sd = jax.ShapeDtypeStruct
         B, H, T, V = 2, 4, 1024, 128
         f32 = jnp.float32
