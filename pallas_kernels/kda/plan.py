@@ -18,7 +18,7 @@ the Triton one:
 | score_bwd  | mosaic_gpu (*)             | mosaic_gpu (*)   | triton          |
 
 (*) with backend="mosaic_gpu" named; "auto" runs the Triton score_bwd until the Mosaic GPU one's
-compiled tests pass (its last two fixes, 2026-12-06, ran in interpret mode and CUDA lowering only).
+compiled tests pass (its last fixes, 2026-12-06, ran in interpret mode and CUDA lowering only).
 
 With segment_ids the Mosaic GPU intra kernels apply the document selects (Segments in
 mosaic_gpu/common.py, as triton/common.py's).
