@@ -44,6 +44,31 @@ def load(ref, layout=WG, smem=False):
     return plgpu.load(ref, layout=layout, optimized=smem).astype(F32)
 
 
+def along_rows(v, shape):
+    """A ROW vector [C] along the rows of a WGMMA-layout tile of `shape` ([C, n])."""
+    return plgpu.layout_cast(jnp.broadcast_to(v[:, None], shape), WG)
+
+
+def splat(x, shape):
+    """A scalar as a WGMMA-layout tile of `shape`."""
+    return plgpu.layout_cast(jnp.broadcast_to(x, shape), WG)
+
+
+def block_anchor(anc_s, r, cols):
+    """The causal anchor of row block r: G_{16 r - 1} on the columns `cols` ([HALF], COL layout; r may
+    be traced), 0 for r = 0. anc_s [NB - 1 or more, K] fp32 in SMEM holds G's rows 15, 31, 47 (.., 63)."""
+    return load(anc_s.at[jnp.maximum(r - 1, 0), cols], COL) * jnp.asarray(r > 0, F32)
+
+
+def own_anchors(anc_s, cols, shape):
+    """[C, HALF] in the WGMMA layout: each row's own block anchor (block_anchor of its row block)."""
+    rb = iota(shape, 0) >> 4
+    anc = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
+    for r in range(1, shape[0] // BT):
+        anc = jnp.where(rb == r, block_anchor(anc_s, r, cols)[None, :], anc)
+    return anc
+
+
 def segment_masks(rel):
     """The Mosaic GPU kernels' document input from rel [B, T] int32 (api.document_offsets): seg
     [B, T / C, 4, C] bf16 (integers 0 .. 64, exact), one contiguous 512-byte block per chunk (one TMA
@@ -90,25 +115,21 @@ class Segments:
         """Row i of the chunk's masks ([C]: 0 rel, 1 rel again, 2 in_last, 3 carry) in `layout`."""
         return load(self.ref.at[i], layout)
 
-    @staticmethod
-    def _bcast_rows(v, shape):           # a ROW vector along the rows of a [C, n] WGMMA tile
-        return plgpu.layout_cast(jnp.broadcast_to(v[:, None], shape), WG)
-
     def same(self, rel_rows=None, rel_cols=None):
         """[C, C] in the WGMMA layout (rel_rows = vec(0, ROW), rel_cols = vec(1, COL) if preloaded)."""
         C = CHUNK
         rel_rows = self.vec(0, ROW) if rel_rows is None else rel_rows
         rel_cols = self.vec(1, COL) if rel_cols is None else rel_cols
         cols = plgpu.layout_cast(jnp.broadcast_to(rel_cols[None, :], (C, C)), WG)
-        return self._bcast_rows(rel_rows, (C, C)) == cols
+        return along_rows(rel_rows, (C, C)) == cols
 
     def row_in(self, shape, rel_rows=None):
         """[C, n] in the WGMMA layout (rel_rows = vec(0, ROW) if preloaded)."""
-        return self._bcast_rows(self.vec(0, ROW) if rel_rows is None else rel_rows, shape) == 0.0
+        return along_rows(self.vec(0, ROW) if rel_rows is None else rel_rows, shape) == 0.0
 
     def in_last(self, shape, last_rows=None):
         """[C, n] in the WGMMA layout (last_rows = vec(2, ROW) if preloaded)."""
-        return self._bcast_rows(self.vec(2, ROW) if last_rows is None else last_rows, shape) != 0.0
+        return along_rows(self.vec(2, ROW) if last_rows is None else last_rows, shape) != 0.0
 
     def carry(self):
         """[C] in the COL layout (the same value in every entry; C = HALF columns)."""
@@ -116,7 +137,7 @@ class Segments:
 
     def carry_rows(self, shape, carry_rows=None):
         """carry as a [C, n] WGMMA-layout mask (the same value everywhere; carry_rows = vec(3, ROW))."""
-        return self._bcast_rows(self.vec(3, ROW) if carry_rows is None else carry_rows, shape) != 0.0
+        return along_rows(self.vec(3, ROW) if carry_rows is None else carry_rows, shape) != 0.0
 
 
 def keep(x, seg, mask: str, *args):

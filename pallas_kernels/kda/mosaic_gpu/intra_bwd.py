@@ -28,8 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
-                                                  Segments, check_dtypes, check_qk, check_shapes, interpret_params,
-                                                  iota, keep, load, operand, segment_masks, split_bf16, staging)
+                                                  Segments, along_rows, block_anchor, check_dtypes, check_qk,
+                                                  check_shapes, interpret_params, iota, keep, load, operand,
+                                                  own_anchors, segment_masks, splat, split_bf16, staging)
 
 
 def _lower(n, strict=False):
@@ -362,13 +363,10 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
         diag_s[...] = jnp.sum(jnp.where(diagonal, da, 0.0), axis=1)
         da = jnp.where(diagonal, 0.0, da)
         mx = jnp.max(jnp.maximum(jnp.max(jnp.abs(dm), axis=1), jnp.max(jnp.abs(da), axis=1)), axis=0)
-        inv = _pow2_scale(plgpu.layout_cast(jnp.broadcast_to(mx, (C, C)), WG))[0]
+        inv = _pow2_scale(splat(mx, (C, C)))[0]
         split_bf16(dm * inv, dm_hi, dm_lo)
         split_bf16(da * inv, dq_hi, dq_lo)
         plgpu.commit_smem()                  # every read of dm_in, daqk_in (the factors' memory) done
-
-        def anchor(r, cols):                 # G_{16 r - 1} [HALF] (r may be traced); 0 for r = 0
-            return load(anc_s.at[jnp.maximum(r - 1, 0), cols], COL) * jnp.asarray(r > 0, F32)
 
         def x3(acc, a_hi, a_lo, b_hi, b_lo):  # a b on split operands: hi hi + lo hi + hi lo
             plgpu.wgmma(acc, a_hi, b_hi)
@@ -382,7 +380,7 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
             def block_step(r, acc):          # row block r's factors, then its rows of the products
                 da_m, da_q, sb = acc
                 rb = iota((C, HALF), 0) >> 4
-                anc = anchor(r, cols)[None, :]
+                anc = block_anchor(anc_s, r, cols)[None, :]
                 g = load(g_h)
                 split_bf16(load(k_h, smem=True) * (jnp.exp(jnp.where(rb <= r, anc - g, 0.0)) * c_lo), fa_hi, fa_lo)
                 plgpu.commit_smem()
@@ -413,18 +411,15 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
             zero = plgpu.layout_cast(jnp.zeros((C, HALF), F32), WG)
             da_m, da_q, sb = lax.fori_loop(0, NB, block_step, (zero, zero, zero))
             # each row's own anchor: ea, eb; the cotangents' scale undone
-            rb = iota((C, HALF), 0) >> 4
             g = load(g_h)
-            anc = jnp.zeros_like(g)
-            for r in range(1, NB):
-                anc = jnp.where(rb == r, anchor(r, cols)[None, :], anc)
+            anc = own_anchors(anc_s, cols, (C, HALF))
             # the scale last: e^{G - anc} 2^s times it could be subnormal (flushed) at small loss scales
-            un = _pow2_scale(plgpu.layout_cast(jnp.broadcast_to(mx, (C, HALF)), WG))[1]
+            un = _pow2_scale(splat(mx, (C, HALF)))[1]
             ea = jnp.exp(g - anc) * c_hi
             da_m, da_q = (da_m * ea) * un, (da_q * ea) * un
             sb = (sb * (jnp.exp(anc - g) * c_lo)) * un
             kf, qs = load(k_h, smem=True), scale * load(q_h, smem=True)
-            d = plgpu.layout_cast(jnp.broadcast_to(load(diag_s, ROW)[:, None], (C, HALF)), WG)
+            d = along_rows(load(diag_s, ROW), (C, HALF))
             plgpu.commit_smem()              # every read of this half's q, k, G is done: fetch the next
 
             @pl.when(kh + 1 < KH)

@@ -31,9 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
-                                                  Segments, check_qk, check_shapes, interpret_params, iota, keep,
-                                                  fetch_segments, load, operand, segment_masks, segments_smem,
-                                                  staging)
+                                                  Segments, block_anchor, check_qk, check_shapes, fetch_segments,
+                                                  interpret_params, iota, keep, load, operand, own_anchors,
+                                                  segment_masks, segments_smem, staging)
 
 NB = CHUNK // BT
 LEVELS = 5                 # solve merges: blocks of 2 -> 4 -> .. -> 64
@@ -98,18 +98,12 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         beta_c = load(beta_ref.at[bh, rows], ROW)[:, None]            # one 256-byte read
         rb_k = iota((C, HALF), 0) >> 4              # row block (BT = 16)
 
-        def anchor(r, cols):                 # G_{16 r - 1} [HALF] (r may be traced); 0 for r = 0
-            return load(anc_s.at[jnp.maximum(r - 1, 0), cols], COL) * jnp.asarray(r > 0, F32)
-
         plgpu.barrier_wait(bar)
         # the row operands (k ea, scale q ea) and the elementwise outputs, per K half
         for kh in range(KH):
             g = load(g_in.at[kh])
             kf, qf = load(k_in.at[kh], smem=True), load(q_in.at[kh], smem=True)
-            anc_rows = jnp.zeros_like(g)
-            for r in range(1, NB):
-                anc_rows = jnp.where(rb_k == r, anchor(r, halves[kh])[None, :], anc_rows)
-            ea = jnp.exp(g - anc_rows) * c_hi
+            ea = jnp.exp(g - own_anchors(anc_s, halves[kh], g.shape)) * c_hi
             ak_s.at[kh][...] = (kf * ea).astype(BF16)
             aq_s.at[kh][...] = (scale * qf * ea).astype(BF16)
             gl = load(anc_s.at[NB - 1, halves[kh]], COL)
@@ -125,7 +119,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
             m, aqk = carry
             for kh in range(KH):
                 g = load(g_in.at[kh])
-                eb = jnp.exp(jnp.where(rb_k <= r, anchor(r, halves[kh])[None, :] - g, 0.0)) * c_lo
+                eb = jnp.exp(jnp.where(rb_k <= r, block_anchor(anc_s, r, halves[kh])[None, :] - g, 0.0)) * c_lo
                 bk_s.at[kh][...] = (load(k_in.at[kh], smem=True) * eb).astype(BF16)
             plgpu.commit_smem()
 
