@@ -15,10 +15,7 @@ the Triton one:
 | state_fwd  | mosaic_gpu (output fused)  | mosaic_gpu       | mosaic_gpu      |
 | state_bwd  | mosaic_gpu                 | mosaic_gpu       | mosaic_gpu      |
 | solve_bwd  | mosaic_gpu                 | mosaic_gpu       | mosaic_gpu      |
-| score_bwd  | mosaic_gpu (*)             | mosaic_gpu (*)   | triton          |
-
-(*) with backend="mosaic_gpu" named; "auto" runs the Triton score_bwd until the Mosaic GPU one's
-compiled tests pass (its last fixes, 2026-12-06, ran in interpret mode and CUDA lowering only).
+| score_bwd  | mosaic_gpu                 | mosaic_gpu       | triton          |
 
 With segment_ids the Mosaic GPU intra kernels apply the document selects (Segments in
 mosaic_gpu/common.py, as triton/common.py's).
@@ -180,6 +177,6 @@ def make_plan(dtype, B: int, H: int, Tp: int, Kp: int, Vp: int, *, lower_bound, 
     return Plan(backend=resolved,
                 intra_fwd="mosaic_gpu" if mgpu and not unbounded else "triton",
                 state_fwd=resolved, state_bwd=resolved, solve_bwd=resolved,
-                score_bwd="mosaic_gpu" if mgpu and not unbounded and backend == "mosaic_gpu" else "triton",
+                score_bwd="mosaic_gpu" if mgpu and not unbounded else "triton",
                 seg_chunks=seg, unbounded=unbounded, segmented=segmented,
                 centre=0 if unbounded else centre_exponent(lower_bound), block_v=block_v, tuning=tuning)

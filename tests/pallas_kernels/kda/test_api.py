@@ -473,9 +473,9 @@ class TestPlan:
             assert p.stages()["cumsum"] == T and p.stages()["score_bwd"] == p.score_bwd
             t = pk.kda_plan(*_shapes(128, 128, T=128), interpret=True, backend="triton", **kw)
             assert set(t.stages().values()) == {T}
-        with fake_h200(True):            # auto: the Triton score_bwd until the Mosaic GPU one's GPU tests pass
+        with fake_h200(True):
             auto = pk.kda_plan(*_shapes(128, 128, T=128), lower_bound=-5.0)
-        assert auto.backend == M and auto.solve_bwd == M and auto.score_bwd == T
+        assert auto.backend == M and auto.solve_bwd == M and auto.score_bwd == M
         p = pk.kda_plan(*_shapes(128, 128, T=128), lower_bound=-5.0, interpret=True, backend="triton")
         assert p.centre == 58 and not p.unbounded                     # 2^58 ~ e^40: half a tile's 80 nats
         assert pk.kda_plan(*_shapes(), lower_bound=-2.0).centre == 23
