@@ -6,7 +6,7 @@ The stage pipeline (plan.py picks a backend per stage; docs/kda_kernels.md):
             state pass with the output o (and the per-chunk states h for the backward).
   backward: [sequence split]; the reverse state pass -> dV', dh; solve_bwd (state products, W / U /
             solve backward) -> dv, dbeta, partial dq, dk, dG and the score gradients; score_bwd ->
-            dq, dk, dG; dg = reverse chunk cumsum of dG (inside the Mosaic GPU score_bwd).
+            dq, dk, dG; dg = reverse chunk cumsum of dG.
 The kernels read and write the user's token-major [B, T, H, .] tensors through BlockSpecs / TMA; XLA
 only pads (T to a multiple of 64, K and V to powers of two >= 16: inert zeros) and, with segment_ids,
 computes the per-chunk document offsets. Saved for the backward (bf16 inputs, K = V = 128, per
@@ -199,12 +199,12 @@ def _core_bwd(plan, scale, interpret, res, cts):
         parts = triton.solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, scale=scale, segments=rel,
                                  num_warps=tu.intra_warps, interpret=interpret)
     dv, dbeta, *scores = parts
-    if plan.score_bwd == "mosaic_gpu":         # the reverse cumsum inside
-        dq, dk, dg = mgpu.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, interpret=interpret)
+    if plan.score_bwd == "mosaic_gpu":
+        dq, dk, dG = mgpu.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, interpret=interpret)
     else:
         dq, dk, dG = triton.score_bwd(q, k, G, *scores, scale=scale, centre=plan.centre, unbounded=plan.unbounded,
                                       num_warps=tu.intra_warps, interpret=interpret)
-        dg = triton.chunk_cumsum(dG, CHUNK_SIZE, reverse=True, num_warps=tu.state_warps, interpret=interpret)
+    dg = triton.chunk_cumsum(dG, CHUNK_SIZE, reverse=True, num_warps=tu.state_warps, interpret=interpret)
     return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None
 
 

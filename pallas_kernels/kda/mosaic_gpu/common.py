@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -152,45 +151,6 @@ def split_bf16(x, hi_s, lo_s):
     hi = x.astype(BF16)
     hi_s[...] = hi
     lo_s[...] = (x - hi.astype(F32)).astype(BF16)
-
-
-def pow2_scale(m):
-    """For m >= 0 fp32 (an array): (2^-e, 2^e) with 2^e <= m < 2^(e + 1), exact powers of two built
-    from m's exponent bits; e within [-126, 126]: where m is 0 or subnormal (2^126, 2^-126) (the
-    products of such a chunk are at most ~1e-38 and flushed), where m >= 2^127, inf or NaN (2^-126,
-    2^126) (inf and NaN stay in the products they enter)."""
-    e = jnp.clip(lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23), 1, 253)
-    as_f32 = lambda x: lax.bitcast_convert_type(lax.shift_left(x, 23), F32)   # noqa: E731
-    return as_f32(254 - e), as_f32(e)
-
-
-def row_sums(x, pieces, ones, reverse):
-    """The inclusive prefix sums of x [C, n] fp32 (WGMMA layout) along its rows (reverse: the
-    suffix sums), as one wgmma product of a 0 / 1 triangular matrix and x in three bf16 pieces,
-    bf16(x), bf16 of the rest, bf16 of what remains: 8 + 8 + 8 significant bits, so the pieces sum
-    to x exactly and the products are exact; the sums are fp32 accumulations. x is first scaled by
-    2^-e, e the exponent of max |x| (exact; undone on the sums), so that no piece is subnormal
-    (flushed on GPUs) and the sums are the same at any scale of x. An inf or NaN in x gives NaN
-    sums. pieces: three operand((C, n)) buffers; ones: operand((C, C)). The caller fences every
-    earlier read of them; this fences its writes and its reads."""
-    C = x.shape[0]
-    ri, ci = iota((C, C), 0), iota((C, C), 1)
-    ones[...] = jnp.where(ci >= ri if reverse else ci <= ri, 1.0, 0.0).astype(BF16)
-    down, up = pow2_scale(splat(jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0), x.shape))
-    x = x * down
-    for p in pieces:
-        part = x.astype(BF16)
-        p[...] = part
-        x = x - part.astype(F32)
-    plgpu.commit_smem()
-
-    def dots(acc):
-        for p in pieces:
-            plgpu.wgmma(acc, ones, p)
-        return acc[...]
-    out = pl.run_scoped(dots, plgpu.ACC(x.shape, F32))
-    plgpu.commit_smem()              # every warp's wgmma reads of pieces, ones are done
-    return out * up
 
 
 def store_final(state, buf, dst):

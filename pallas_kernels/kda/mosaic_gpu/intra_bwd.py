@@ -30,8 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kda.mosaic_gpu.common import (BF16, BT, CHUNK, COL, EXP_PARAMS, F32, HALF, HEAD_DIMS, ROW, WG,
                                                   Segments, along_rows, block_anchor, check_dtypes, check_qk,
                                                   check_shapes, interpret_params, iota, keep, load, operand,
-                                                  own_anchors, pow2_scale, row_sums, segment_masks, splat,
-                                                  split_bf16, staging)
+                                                  own_anchors, segment_masks, splat, split_bf16, staging)
 
 
 def _lower(n, strict=False):
@@ -283,6 +282,16 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
 NB = CHUNK // BT
 
 
+def _pow2_scale(m):
+    """For m >= 0 fp32 (an array): (2^-e, 2^e) with 2^e <= m < 2^(e + 1), exact powers of two built
+    from m's exponent bits; e within [-126, 126]: where m is 0 or subnormal (2^126, 2^-126) (the
+    products of such a chunk are at most ~1e-38 and flushed), where m >= 2^127, inf or NaN (2^-126,
+    2^126) (inf and NaN stay in the products they enter)."""
+    e = jnp.clip(lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23), 1, 253)
+    as_f32 = lambda x: lax.bitcast_convert_type(lax.shift_left(x, 23), F32)   # noqa: E731
+    return as_f32(254 - e), as_f32(e)
+
+
 def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: int,
               interpret: bool | plgpu.InterpretGPUParams = False):
     """The score-tile backward on Hopper: triton/intra_bwd.py's score_bwd for bounded gates; chunk 64.
@@ -297,8 +306,7 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
     dAqk are zero against them; e^{G - anc_r} 2^s as two half-exponent factors, since e^{G - anc_r}
     alone underflows fp32 on later rows where the product is still normal), ea = e^{G - anc} 2^s and
     eb = e^{anc - G} 2^-s with each row's own anchor; then dq = dqp + scale da_q,
-    dk = dkp + da_m + sb, dG = dgp + k da_m + scale q da_q - k sb (+ dG_last on the chunk's last row),
-    and dg its suffix sums within the chunk (the reverse cumsum; common.row_sums).
+    dk = dkp + da_m + sb, dG = dgp + k da_m + scale q da_q - k sb (+ dG_last on the chunk's last row).
     dAqk's diagonal stays out of the products: it adds scale dAqk_ii k_i to dq_i and dAqk_ii scale q_i
     to dk_i elementwise, and nothing to dG, where its two terms cancel exactly (through the products
     they left dG at the bound, a ~1% difference of its terms, 1 ulp of those terms off, and broke
@@ -318,8 +326,8 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
       dqp, dkp, dgp: [B, H, T, K] fp32 (solve_bwd's partials); dgl: [B, H, T / 64, K] fp32;
       dM, dAqk: [B, H, T, 64] fp32 (solve_bwd's score gradients); scale: the query scale;
       centre: the forward's centre exponent s; interpret: as state_fwd.
-    Returns: dq, dk [B, T, H, K] bf16; dg [B, T, H, K] fp32, the gate gradient (triton.intra_bwd's
-      score_bwd followed by triton.cumsum's reverse chunk_cumsum).
+    Returns: dq, dk [B, T, H, K] bf16; dG [B, T, H, K] fp32 per row (dG_last added on each chunk's
+      last row), before the reverse cumsum (as triton.intra_bwd.score_bwd).
     Raises: ValueError for T not a multiple of 64, K not in HEAD_DIMS, wrong dtypes or shapes.
     """
     B, T, H, K = check_qk(q, k)
@@ -355,7 +363,7 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
         diag_s[...] = jnp.sum(jnp.where(diagonal, da, 0.0), axis=1)
         da = jnp.where(diagonal, 0.0, da)
         mx = jnp.max(jnp.maximum(jnp.max(jnp.abs(dm), axis=1), jnp.max(jnp.abs(da), axis=1)), axis=0)
-        inv = pow2_scale(splat(mx, (C, C)))[0]
+        inv = _pow2_scale(splat(mx, (C, C)))[0]
         split_bf16(dm * inv, dm_hi, dm_lo)
         split_bf16(da * inv, dq_hi, dq_lo)
         plgpu.commit_smem()                  # every read of dm_in, daqk_in (the factors' memory) done
@@ -406,7 +414,7 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
             g = load(g_h)
             anc = own_anchors(anc_s, cols, (C, HALF))
             # the scale last: e^{G - anc} 2^s times it could be subnormal (flushed) at small loss scales
-            un = pow2_scale(splat(mx, (C, HALF)))[1]
+            un = _pow2_scale(splat(mx, (C, HALF)))[1]
             ea = jnp.exp(g - anc) * c_hi
             da_m, da_q = (da_m * ea) * un, (da_q * ea) * un
             sb = (sb * (jnp.exp(anc - g) * c_lo)) * un
@@ -422,9 +430,8 @@ def score_bwd(q, k, G, dqp, dkp, dgp, dgl, dM, dAqk, *, scale: float, centre: in
                 dq_ref.dtype)
             dk_ref.at[b, rows, hh, cols][...] = (load(dkp_ref.at[bh, rows, cols]) + da_m + sb + d * qs).astype(
                 dk_ref.dtype)
-            dG = jnp.where(iota((C, HALF), 0) == C - 1, dG + load(dgl_ref.at[bh, c, cols], COL)[None, :], dG)
-            # dg: the reverse cumsum of dG within the chunk (G is the chunk cumsum of g)
-            dg_ref.at[b, rows, hh, cols][...] = row_sums(dG, (fa_hi, fa_lo, fb_hi), fb_lo, reverse=True)
+            dg_ref.at[b, rows, hh, cols][...] = jnp.where(iota((C, HALF), 0) == C - 1,
+                                                          dG + load(dgl_ref.at[bh, c, cols], COL)[None, :], dG)
             return carry
 
         lax.fori_loop(0, KH, half_step, 0)

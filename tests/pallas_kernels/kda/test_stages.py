@@ -229,30 +229,19 @@ def solve_bwd_pair(args, interpret, segments=None):
 
 
 def score_bwd_pair(args, interpret, centre=CENTRE):
-    """The Mosaic GPU score_bwd (dq, dk, dg) and the Triton one followed by the reverse chunk cumsum."""
     scale = args[0].shape[-1] ** -0.5
     out = jax.jit(lambda *a: mgpu.score_bwd(*a, scale=scale, centre=centre, interpret=interpret))(*args)
-
-    def ref_fn(*a):
-        dq, dk, dG = triton.score_bwd(*a, scale=scale, centre=centre, unbounded=False, interpret=interpret)
-        return dq, dk, triton.chunk_cumsum(dG, 64, reverse=True, interpret=interpret)
-    return out, jax.jit(ref_fn)(*args)
+    ref = jax.jit(lambda *a: triton.score_bwd(*a, scale=scale, centre=centre, unbounded=False,
+                                              interpret=interpret))(*args)
+    return out, ref
 
 
-def suffix_sums(x):
-    """The reverse chunk cumsum of x [B, T, H, K] in float64 (sum over j >= i within each chunk of 64)."""
-    B, T, H, K = x.shape
-    x = np.asarray(x, np.float64).reshape(B, T // 64, 64, H, K)
-    return np.flip(np.cumsum(np.flip(x, 2), 2), 2).reshape(B, T, H, K)
-
-
-def assert_score_bwd_exact(name, args, out, tol_dqk, tol_dg):
-    """out (dq, dk bf16, dg fp32) against the float64 math: dq, dk within their bf16 rounding
-    (tol_dqk), dg (the reverse chunk cumsum of dG) within tol_dg (RMS ratios)."""
-    dq, dk, dG = score_bwd_exact(*args, args[0].shape[-1] ** -0.5)
+def assert_score_bwd_exact(name, args, out, tol_dqk, tol_dG):
+    """out (dq, dk bf16, dG fp32) against the float64 math: dq, dk within their bf16 rounding
+    (tol_dqk), dG within tol_dG (RMS ratios)."""
+    exact = score_bwd_exact(*args, args[0].shape[-1] ** -0.5)
     return [assert_rms_close(f"{name}[{i}]", e, np.asarray(o, np.float64), tol)
-            for i, (e, o, tol) in enumerate(zip((dq, dk, suffix_sums(dG)), out, (tol_dqk, tol_dqk, tol_dg),
-                                                strict=True))]
+            for i, (e, o, tol) in enumerate(zip(exact, out, (tol_dqk, tol_dqk, tol_dG), strict=True))]
 
 
 def assert_masks_matter(out, dense, single_rows, name, tol=1e-6):
