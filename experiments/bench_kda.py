@@ -22,7 +22,7 @@ subprocess, triton do_bench medians, rows also appended to `<out>_fla.jsonl`). A
 implementation but "recurrent" against the fp32 recurrent oracle on the first min(T, --check_max_t)
 tokens (RMS ratios of o and of the five gradients). With a peer, side-by-side tables (per-call wall
 times; back-to-back times where the rows have them) add the ratios to the best peer, chunked / pallas
-and the H200 floor.
+and, on an H200, the floor (FLOOR_RATES).
 
 Profile (--profile): which kernels take the time, so a gap to a peer can be pinned to a stage. Each
 (implementation, mode) is jitted, compiled and warmed up, then --iters calls run under
@@ -430,15 +430,28 @@ def packed_note(rows) -> str:
             "; fla: the same documents as cu_seqlens).")
 
 
-def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
+# The floor's rates (bf16 FLOP/s, HBM bytes/s), measured on these machines' H200s; other devices get no floor.
+FLOOR_RATES = {"H200": (790e12, 4.3e12)}
+
+
+def floor_rates(device: str):
+    """(FLOP/s, bytes/s) of the floor for a device name (environment()["device"]), or None."""
+    return next((rates for name, rates in FLOOR_RATES.items() if name in device), None)
+
+
+def side_by_side(rows: list[dict], key: str, title: str, device: str = "") -> list[str]:
     """Markdown lines comparing pallas / chunked with the peers per shape and mode, by the rows' `key`
     ("median_ms" or "stream_ms"; fla's rows, do_bench device times, always by "median_ms"). A peer
-    whose row lacks `key` leaves the ratios "—" (never a ratio to the other peer alone)."""
+    whose row lacks `key` leaves the ratios "—" (never a ratio to the other peer alone). The floor
+    columns need `device`'s rates (FLOOR_RATES), else they read "—"."""
     docs = sorted({r.get("docs_per_row", 1) for r in rows if r.get("mode") != "check"}) or [1]
     if docs != [1]:
         title += f"; packed rows, {'/'.join(map(str, docs))} documents per row (segment_ids)"
-    lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; floor = max(FLOPs / 790 TFLOP/s, bytes / "
-             "4.3 TB/s), the H200 rates measured on these machines):", "",
+    rates = floor_rates(device)
+    floor_text = (f"floor = max(FLOPs / {rates[0] / 1e12:.0f} TFLOP/s, bytes / {rates[1] / 1e12:.1f} TB/s), the "
+                  "H200 rates measured on these machines" if rates else
+                  f"no floor: no measured rates for {device or 'this device'}")
+    lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; {floor_text}):", "",
              "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
              "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -447,7 +460,7 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
         flops, nbytes = counts(B, T, H, K, K, FLAGS.chunk_size)
         for mode in FLAGS.modes:
             mult = 1 if mode == "fwd" else 3
-            floor = max(mult * flops / 790e12, mult * nbytes / 4.3e12) * 1e3
+            floor = max(mult * flops / rates[0], mult * nbytes / rates[1]) * 1e3 if rates else None
             t = {r["implementation"]: r.get("median_ms" if r["implementation"] == "fla" else key) for r in rows
                  if r["mode"] == mode and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
             peer_missing = any(t.get(p, 0.0) is None for p in PEERS)
@@ -456,10 +469,11 @@ def side_by_side(rows: list[dict], key: str, title: str) -> list[str]:
             best = min(peers) if peers and not peer_missing else None
             cell = lambda n: f"{t[n]:.2f}" if n in t else "—"  # noqa: E731
             ratio = lambda n: f"{t[n] / best:.2f}" if n in t and best else "—"  # noqa: E731
-            pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t else "—"
+            pct = f"{100 * floor / t['pallas']:.1f}%" if "pallas" in t and floor else "—"
             speedup = f"{t['chunked'] / t['pallas']:.2f}×" if {"chunked", "pallas"} <= set(t) else "—"
             lines.append(f"| {B}×{T}×{H} | {mode} | {cell('pallas')} | {cell('chunked')} | {cell('jla')} | "
-                         f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {speedup} | {floor:.3f} | "
+                         f"{cell('fla')} | {ratio('pallas')} | {ratio('chunked')} | {speedup} | "
+                         f"{f'{floor:.3f}' if floor else '—'} | "
                          f"{pct} |")
     return lines
 
@@ -669,10 +683,10 @@ def main(argv):
                      f"{_ms(r.get('stream_ms'))} | {speed} |")
     if any(r["implementation"] in PEERS for r in rows):
         lines += side_by_side(rows, "median_ms", "Side by side (median ms per call, host wall time; fla's rows are "
-                              "do_bench device times")
+                              "do_bench device times", env.get("device", ""))
         if any("stream_ms" in r for r in rows):
             lines += side_by_side(rows, "stream_ms", "Side by side, device-bound (back-to-back ms per call for the "
-                                  "JAX rows, do_bench for fla; close to like for like")
+                                  "JAX rows, do_bench for fla; close to like for like", env.get("device", ""))
     md = "\n".join(lines) + "\n"
     print(md)
     if FLAGS.out:

@@ -106,6 +106,27 @@ def test_bench_kda_from_json_header_and_duplicates(tmp_path):
     assert sources == {"chunked": "b.json", "fla": "a_fla.jsonl"}
 
 
+def test_bench_kda_floor_only_with_measured_rates(tmp_path):
+    # The floor columns use the H200's measured rates: an H100 run (the device machines often lend
+    # one) gets "—", not a floor from another card's rates.
+    row = dict(implementation="pallas", mode="fwd", B=1, T=64, H=1, K=16, V=16, dtype="bfloat16", chunk_size=64,
+               median_ms=1.0, min_ms=0.9, max_ms=1.1, iters=5, warmup=1, compile_s=0.1)
+    tables = {}
+    for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        env = dict(date="2026-12-06T00:00:00+00:00", platform="p", cpu_count=2, backend="gpu", device=card,
+                   python="3.12", jax="0.11.2", jaxlib="0.11.2", numpy="2")
+        (tmp_path / "f.json").write_text(json.dumps(dict(environment=env, rows=[row, dict(row, implementation="jla")])))
+        r = _bench_kda(f"--from_json={tmp_path / 'f.json'}", "--shapes=1x64x1x16", "--modes=fwd",
+                       f"--out={tmp_path / 'f'}", cwd=REPO)
+        assert r.returncode == 0, r.stderr[-2000:]
+        md = (tmp_path / "f.md").read_text()
+        tables[card] = [line.split("|")[10:12] for line in md.splitlines() if line.startswith("| 1×64×1 | fwd |")]
+        assert len(tables[card]) == 1, md
+    floor, pct = (c.strip() for c in tables["NVIDIA H200"][0])
+    assert float(floor) >= 0 and pct.endswith("%"), tables
+    assert [c.strip() for c in tables["NVIDIA H100 80GB HBM3"][0]] == ["—", "—"], tables
+
+
 def test_moe_balance_finds_used_run_directories(tmp_path):
     plan = moe_balance.run_order(["none", "aux_loss"], [0, 1], "seed_major")
     assert moe_balance.used_workdirs(str(tmp_path), plan) == []
