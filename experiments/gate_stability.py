@@ -18,7 +18,8 @@ Plus a long-sequence run of the chunked op (>= 2^17 tokens on CPU) reporting max
 state's norm for each gate.
 
 Run: python -m experiments.gate_stability [--seq_len=1024 --long_seq_len=131072 --out_dir=...]
-Writes gate_stability.{json,md,png} under --out_dir.
+Writes gate_stability{tag}.{json,png} under --out_dir and renders gate_stability.md there from every
+gate_stability*.json in it (one page; a tagged run adds its section).
 """
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ flags.DEFINE_integer("long_seq_len", 2 ** 17, "tokens of the long-sequence run (
 flags.DEFINE_integer("long_heads", 2, "heads of the long-sequence run")
 flags.DEFINE_list("chunk_sizes", ["16", "32", "64"], "chunk sizes")
 flags.DEFINE_integer("seed", 0, "PRNG seed")
-flags.DEFINE_string("out_dir", "/tmp/k3jax_gate_stability", "where to write gate_stability.{json,md,png} (the "
-                    "committed result: --out_dir=experiments/results)")
+flags.DEFINE_string("out_dir", "/tmp/k3jax_gate_stability", "where to write gate_stability{tag}.{json,png} and "
+                    "the page gate_stability.md (the committed result: --out_dir=experiments/results)")
 flags.DEFINE_string("tag", "", "suffix of the output file names (e.g. _gpu)")
-flags.DEFINE_string("from_json", "", "only rewrite the table and plot from this earlier JSON output")
+flags.DEFINE_string("from_json", "", "no run: this earlier JSON output into --out_dir (as gate_stability{tag}.json), "
+                    "its plot, and the page")
 
 LOWER_BOUND = -5.0
 OVERFLOW_NATS = float(np.log(np.finfo(np.float32).max))   # bf16 has fp32's exponent range: 88.72
@@ -136,8 +138,8 @@ def run_long():
     return out
 
 
-def to_markdown(env, rows, long_rows, config):
-    lines = [f"# KDA gate stability ({env['date']})", "",
+def to_markdown(env, rows, long_rows, config, level="#"):
+    lines = [f"{level} KDA gate stability ({env['date']})", "",
              f"Machine: {env['platform']}, {env['cpu_count']} CPUs, backend {env['backend']}; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}.",
              f"Inputs: B={config['batch']}, T={config['seq_len']}, H={config['heads']}, K=V={config['head_dim']}, "
@@ -200,6 +202,25 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def write_page(out_dir):
+    """out_dir/gate_stability.md: one page from every gate_stability*.json there (the untagged run
+    first, then the tagged ones by name), so that a run with or without --tag keeps the others'
+    sections. Returns the page."""
+    names = sorted((n for n in os.listdir(out_dir) if n.startswith("gate_stability") and n.endswith(".json")),
+                   key=lambda n: (n != "gate_stability.json", n))
+    parts = ["# KDA gate stability", "",
+             "One page for `experiments/gate_stability.py`, rendered from its runs' files here: " +
+             ", then ".join(f"`{n}`" for n in names) + ".", ""]
+    for n in names:
+        with open(os.path.join(out_dir, n)) as f:
+            saved = json.load(f)
+        parts.append(to_markdown(saved["environment"], saved["grid"], saved["long"], saved["config"], level="##"))
+    page = "\n".join(parts)
+    with open(os.path.join(out_dir, "gate_stability.md"), "w") as f:
+        f.write(page)
+    return page
+
+
 def main(argv):
     del argv
     if FLAGS.from_json:
@@ -207,9 +228,11 @@ def main(argv):
             saved = json.load(f)
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         base = os.path.join(FLAGS.out_dir, f"gate_stability{FLAGS.tag}")
-        with open(base + ".md", "w") as f:
-            f.write(to_markdown(saved["environment"], saved["grid"], saved["long"], saved["config"]))
+        if os.path.abspath(FLAGS.from_json) != os.path.abspath(base + ".json"):
+            with open(base + ".json", "w") as f:
+                json.dump(saved, f, indent=1)
         plot(saved["grid"], base + ".png")
+        write_page(FLAGS.out_dir)
         return
     env = environment()
     rows = run_grid()
@@ -221,10 +244,8 @@ def main(argv):
                   lower_bound=LOWER_BOUND, settings=SETTINGS)
     with open(base + ".json", "w") as f:
         json.dump(dict(environment=env, config=config, grid=rows, long=long_rows), f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(to_markdown(env, rows, long_rows, config))
     plot(rows, base + ".png")
-    print(open(base + ".md").read())
+    print(write_page(FLAGS.out_dir))
 
 
 if __name__ == "__main__":

@@ -127,6 +127,21 @@ def test_bench_kda_floor_only_with_measured_rates(tmp_path):
     assert [c.strip() for c in tables["NVIDIA H100 80GB HBM3"][0]] == ["—", "—"], tables
 
 
+def test_gate_stability_page_keeps_every_run(tmp_path):
+    # The committed page holds two runs (1024 tokens and 2^20): re-rendering one (here the tagged
+    # run, from its JSON) keeps the other's section instead of overwriting the page with one run.
+    src = os.path.join(REPO, "experiments", "results")
+    for name in ("gate_stability.json", "gate_stability_2p20.json"):
+        (tmp_path / name).write_text(open(os.path.join(src, name)).read())
+    r = subprocess.run([sys.executable, "-m", "experiments.gate_stability", f"--out_dir={tmp_path}", "--tag=_2p20",
+                        f"--from_json={tmp_path / 'gate_stability_2p20.json'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "gate_stability.md").read_text()
+    assert page.count("## KDA gate stability (") == 2 and "| 131072 |" in page and "| 1048576 |" in page, page
+    assert page == open(os.path.join(src, "gate_stability.md")).read()        # the committed page, re-rendered
+
+
 def test_moe_balance_finds_used_run_directories(tmp_path):
     plan = moe_balance.run_order(["none", "aux_loss"], [0, 1], "seed_major")
     assert moe_balance.used_workdirs(str(tmp_path), plan) == []
