@@ -47,6 +47,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -290,14 +291,15 @@ def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
 
     With `later_wins`, a row (timing: implementation, mode, B, T, H, K, dtype; check: implementation
     and shape) that a LATER path repeats replaces the earlier one (a re-run after a kernel change
-    next to peers timed before it), and the environment is the last .json file's; each kept row
-    names its file in "source".
+    next to peers timed before it), and the environment is the last .json file's (else the first's);
+    each kept row names its file in "source". Files of several devices: the environment's "device"
+    names them all, joined by " / " (the header says so; the tables print no floor).
 
     Raises:
       ValueError: no .json file among `paths`; without `later_wins`, two timing rows with the same
         implementation, mode, B, T, H, K and dtype (the side-by-side table would silently keep one).
     """
-    env, rows = None, []
+    env, rows, devices = None, [], set()
     for path in paths:
         with open(path) as f:
             if path.endswith(".jsonl"):
@@ -305,6 +307,7 @@ def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
             else:
                 saved = json.load(f)
                 env = saved["environment"] if (later_wins or env is None) else env
+                devices.add(saved["environment"].get("device", ""))
                 new = saved["rows"]
         for r in new:
             r["source"] = os.path.basename(path)
@@ -314,6 +317,8 @@ def load_rows(paths, later_wins: bool = False) -> tuple[dict, list[dict]]:
         rows += new
     if env is None:
         raise ValueError(f"from_json={paths!r} names no .json file with an environment")
+    if len(devices) > 1:                 # runs of several cards: the header says so, and no floor
+        env = dict(env, device=" / ".join(sorted(devices)))
     docs = sorted({r.get("docs_per_row", 1) for r in rows})
     if len(docs) > 1:
         raise ValueError(f"from_json={paths!r}: rows of different --docs_per_row ({docs}); the side-by-side "
@@ -435,8 +440,9 @@ FLOOR_RATES = {"H200": (790e12, 4.3e12)}
 
 
 def floor_rates(device: str):
-    """(FLOP/s, bytes/s) of the floor for a device name (environment()["device"]), or None."""
-    return next((rates for name, rates in FLOOR_RATES.items() if name in device), None)
+    """(FLOP/s, bytes/s) of the floor for a device name (environment()["device"]; "H200" as a word,
+    so not GH200), or None."""
+    return next((rates for name, rates in FLOOR_RATES.items() if re.search(rf"\b{name}\b", device)), None)
 
 
 def side_by_side(rows: list[dict], key: str, title: str, device: str = "") -> list[str]:
@@ -447,10 +453,11 @@ def side_by_side(rows: list[dict], key: str, title: str, device: str = "") -> li
     docs = sorted({r.get("docs_per_row", 1) for r in rows if r.get("mode") != "check"}) or [1]
     if docs != [1]:
         title += f"; packed rows, {'/'.join(map(str, docs))} documents per row (segment_ids)"
-    rates = floor_rates(device)
+    rates = None if " / " in device else floor_rates(device)      # " / ": merged runs of several cards
     floor_text = (f"floor = max(FLOPs / {rates[0] / 1e12:.0f} TFLOP/s, bytes / {rates[1] / 1e12:.1f} TB/s), the "
                   "H200 rates measured on these machines" if rates else
-                  f"no floor: no measured rates for {device or 'this device'}")
+                  ("no floor: rows of several devices" if " / " in device else
+                   f"no floor: no measured rates for {device or 'this device'}"))
     lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; {floor_text}):", "",
              "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
              "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",

@@ -206,14 +206,19 @@ def write_page(out_dir):
     """out_dir/gate_stability.md: one page from every gate_stability*.json there (the untagged run
     first, then the tagged ones by name), so that a run with or without --tag keeps the others'
     sections. Returns the page."""
-    names = sorted((n for n in os.listdir(out_dir) if n.startswith("gate_stability") and n.endswith(".json")),
-                   key=lambda n: (n != "gate_stability.json", n))
-    parts = ["# KDA gate stability", "",
-             "One page for `experiments/gate_stability.py`, rendered from its runs' files here: " +
-             ", then ".join(f"`{n}`" for n in names) + ".", ""]
-    for n in names:
+    runs = {}
+    for n in sorted((n for n in os.listdir(out_dir) if n.startswith("gate_stability") and n.endswith(".json")),
+                    key=lambda n: (n != "gate_stability.json", n)):
         with open(os.path.join(out_dir, n)) as f:
             saved = json.load(f)
+        if isinstance(saved, dict) and {"environment", "config", "grid", "long"} <= set(saved):
+            runs[n] = saved
+        else:
+            print(f"gate_stability: {n} in {out_dir} is not this script's output; left out of the page")
+    parts = ["# KDA gate stability", "",
+             "One page for `experiments/gate_stability.py`, rendered from its runs' files here: " +
+             ", then ".join(f"`{n}`" for n in runs) + ".", ""]
+    for saved in runs.values():
         parts.append(to_markdown(saved["environment"], saved["grid"], saved["long"], saved["config"], level="##"))
     page = "\n".join(parts)
     with open(os.path.join(out_dir, "gate_stability.md"), "w") as f:
@@ -229,6 +234,11 @@ def main(argv):
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         base = os.path.join(FLAGS.out_dir, f"gate_stability{FLAGS.tag}")
         if os.path.abspath(FLAGS.from_json) != os.path.abspath(base + ".json"):
+            if os.path.exists(base + ".json"):
+                with open(base + ".json") as f:
+                    if json.load(f) != saved:
+                        raise ValueError(f"from_json={FLAGS.from_json!r} would replace another run in {base}.json; "
+                                         f"give it its own --tag (e.g. the one in its file name) or another --out_dir")
             with open(base + ".json", "w") as f:
                 json.dump(saved, f, indent=1)
         plot(saved["grid"], base + ".png")

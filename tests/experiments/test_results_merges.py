@@ -112,27 +112,33 @@ def test_bench_kda_floor_only_with_measured_rates(tmp_path):
     row = dict(implementation="pallas", mode="fwd", B=1, T=64, H=1, K=16, V=16, dtype="bfloat16", chunk_size=64,
                median_ms=1.0, min_ms=0.9, max_ms=1.1, iters=5, warmup=1, compile_s=0.1)
     tables = {}
-    for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+    for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):
         env = dict(date="2026-12-06T00:00:00+00:00", platform="p", cpu_count=2, backend="gpu", device=card,
                    python="3.12", jax="0.11.2", jaxlib="0.11.2", numpy="2")
-        (tmp_path / "f.json").write_text(json.dumps(dict(environment=env, rows=[row, dict(row, implementation="jla")])))
-        r = _bench_kda(f"--from_json={tmp_path / 'f.json'}", "--shapes=1x64x1x16", "--modes=fwd",
-                       f"--out={tmp_path / 'f'}", cwd=REPO)
+        (tmp_path / f"{card[7:11]}.json").write_text(json.dumps(dict(environment=env, rows=[
+            dict(row, B=2 if "H100" in card else 1), dict(row, implementation="jla", B=2 if "H100" in card else 1)])))
+    for name, files, shapes in [("H200", ["H200"], "1x64x1x16"), ("H100", ["H100"], "2x64x1x16"),
+                                ("GH200", ["GH20"], "1x64x1x16"),       # another card: no H200 rates
+                                ("mixed", ["H200", "H100"], "1x64x1x16,2x64x1x16")]:   # an H200 and an H100 run
+        r = _bench_kda("--from_json=" + ",".join(str(tmp_path / f"{f}.json") for f in files), f"--shapes={shapes}",
+                       "--modes=fwd", f"--out={tmp_path / 'f'}", cwd=REPO)
         assert r.returncode == 0, r.stderr[-2000:]
         md = (tmp_path / "f.md").read_text()
-        tables[card] = [line.split("|")[10:12] for line in md.splitlines() if line.startswith("| 1×64×1 | fwd |")]
-        assert len(tables[card]) == 1, md
-    floor, pct = (c.strip() for c in tables["NVIDIA H200"][0])
+        tables[name] = [line.split("|")[10:12] for line in md.splitlines() if "×64×1 | fwd |" in line]
+        assert len(tables[name]) == len(files), md
+    floor, pct = (c.strip() for c in tables["H200"][0])
     assert float(floor) >= 0 and pct.endswith("%"), tables
-    assert [c.strip() for c in tables["NVIDIA H100 80GB HBM3"][0]] == ["—", "—"], tables
+    for name in ("H100", "GH200", "mixed"):
+        assert all([c.strip() for c in cells] == ["—", "—"] for cells in tables[name]), (name, tables)
 
 
 def test_gate_stability_page_keeps_every_run(tmp_path):
     # The committed page holds two runs (1024 tokens and 2^20): re-rendering one (here the tagged
     # run, from its JSON) keeps the other's section instead of overwriting the page with one run.
     src = os.path.join(REPO, "experiments", "results")
-    for name in ("gate_stability.json", "gate_stability_2p20.json"):
-        (tmp_path / name).write_text(open(os.path.join(src, name)).read())
+    for name in os.listdir(src):
+        if name.startswith("gate_stability") and name.endswith(".json"):
+            (tmp_path / name).write_text(open(os.path.join(src, name)).read())
     r = subprocess.run([sys.executable, "-m", "experiments.gate_stability", f"--out_dir={tmp_path}", "--tag=_2p20",
                         f"--from_json={tmp_path / 'gate_stability_2p20.json'}"], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
@@ -140,6 +146,20 @@ def test_gate_stability_page_keeps_every_run(tmp_path):
     page = (tmp_path / "gate_stability.md").read_text()
     assert page.count("## KDA gate stability (") == 2 and "| 131072 |" in page and "| 1048576 |" in page, page
     assert page == open(os.path.join(src, "gate_stability.md")).read()        # the committed page, re-rendered
+    # the 2^20 run's JSON without its --tag would replace the 1024-token run: refused, nothing written
+    before = (tmp_path / "gate_stability.json").read_bytes()
+    r = subprocess.run([sys.executable, "-m", "experiments.gate_stability", f"--out_dir={tmp_path}",
+                        f"--from_json={tmp_path / 'gate_stability_2p20.json'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "its own --tag" in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "gate_stability.json").read_bytes() == before
+    # a file of another kind named like a run is left out of the page, with a message
+    (tmp_path / "gate_stability_summary.json").write_text(json.dumps({"rows": []}))
+    r = subprocess.run([sys.executable, "-m", "experiments.gate_stability", f"--out_dir={tmp_path}", "--tag=_2p20",
+                        f"--from_json={tmp_path / 'gate_stability_2p20.json'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "gate_stability_summary.json" in r.stdout, r.stderr[-2000:]
+    assert (tmp_path / "gate_stability.md").read_text() == page
 
 
 def test_moe_balance_finds_used_run_directories(tmp_path):

@@ -1,9 +1,10 @@
-"""The intra-chunk backward's first half on Hopper (Mosaic GPU): state products, W / U and solve backward.
+"""The intra-chunk backward on Hopper (Mosaic GPU): solve_bwd (state products, W / U and solve
+backward), then score_bwd (the score gradients; its own docstring).
 
-One warpgroup per (batch x head, chunk of 64 tokens), bounded or unbounded gates (it forms no
+solve_bwd: one warpgroup per (batch x head, chunk of 64 tokens), bounded or unbounded gates (it forms no
 e^{anc - G}), packed documents optional (segments: a static option; without it the kernel traces
 as before). The math, document selects and bf16 operand rounding of triton/intra_bwd.py's
-solve_bwd, whose outputs the Triton score_bwd consumes. Per chunk, from the saved transposed states
+solve_bwd, whose outputs score_bwd (below, or the Triton one) consumes. Per chunk, from the saved transposed states
 St = S^T, dSt = dS^T [V, K] (bf16), dO [C, V], dU = dV' [C, V] and the forward's W, U, A, M:
   V' = U - W S;  dAqk = dO V'^T;  dKd = V' dS^T;  dQg = dO S^T;  dW = -dU S^T;  dX = A^T dW;
   dY = A^T dU;  dA = dW X^T + dU Y^T;  dL = -A^T dA A^T (strictly lower);  d e^{G_last} = colsum(St * dSt);
