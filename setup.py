@@ -25,7 +25,7 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist", "matplotlib", "jupytext", "nbclient", "ipykernel", "datasets"],
         "gpu": ["jax[cuda13]==0.11.2", "jax-linear-attention==0.1.0", "tokamax==0.0.17"],
-        "notebooks": ["matplotlib", "jupytext", "nbclient", "ipykernel"],
+        "notebooks": ["matplotlib", "jupytext", "nbclient", "ipykernel", "jupyterlab"],
         "hf": ["datasets"],
     },
 )

@@ -23,7 +23,7 @@ _IMPLS = flags.DEFINE_list("implementations", list(A.IMPLEMENTATIONS), "Implemen
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per measurement.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls after compiling.")
 _REPS = flags.DEFINE_integer("stream_reps", 15, "Groups of back-to-back calls (median).")
-_OUT = flags.DEFINE_string("out", "/tmp/bench_attention", "Output prefix (<out>.json, <out>.md).")
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_attention/attention", "Output prefix (<out>.json, <out>.md).")
 
 
 def _inputs(B, T, H, Dh, i):

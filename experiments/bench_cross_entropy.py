@@ -122,8 +122,8 @@ def _define_flags():
     flags.DEFINE_integer("stream_calls", 5, "Back-to-back calls per timed group (0 = none).")
     flags.DEFINE_integer("stream_reps", 5, "Back-to-back groups (median reported).")
     flags.DEFINE_bool("tiny", False, f"CPU smoke size: {TINY} (overrides those flags).")
-    flags.DEFINE_string("out", "", "Output prefix (<out>.json, .md); default experiments/results/cross_entropy_<device> "
-                        "(--tiny: /tmp/k3jax_bench_cross_entropy/cross_entropy_tiny).")
+    flags.DEFINE_string("out", "", "Output prefix (<out>.json, .md); default /tmp/k3jax_bench_cross_entropy/"
+                        "cross_entropy_<device> (--tiny: .../cross_entropy_tiny).")
     flags.DEFINE_string("one_row", "", "Internal: run the row impl:vocab:chunk here and print its JSON.")
     flags.DEFINE_float("row_timeout_s", 560.0, "Seconds a row's subprocess may take.")
 
@@ -147,8 +147,8 @@ def main(argv):
     if unknown:
         raise ValueError(f"--impls must be from {IMPLS}, got {unknown}")
     env = environment()
-    out = f.out or ("/tmp/k3jax_bench_cross_entropy/cross_entropy_tiny" if f.tiny else
-                    "experiments/results/cross_entropy_" + env["device"].lower().replace("nvidia ", "").replace(" ", "_"))
+    out = f.out or ("/tmp/k3jax_bench_cross_entropy/cross_entropy_" + ("tiny" if f.tiny else
+                    env["device"].lower().replace("nvidia ", "").replace(" ", "_")))
     plan = []
     for vocab in shape["vocabs"]:
         for impl in f.impls:

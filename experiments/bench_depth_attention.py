@@ -37,7 +37,7 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Calls per group.")
 _REPS = flags.DEFINE_integer("reps", 10, "Groups of back-to-back calls (median).")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also time the op alone (3 of 5 buffer slots valid) under a few "
                            "pallas_kernels.depth_attention.Tuning values at each shape's tokens and d_model.")
-_OUT = flags.DEFINE_string("out", "/tmp/bench_depth_attention", "Output prefix (<out>.json, <out>.md).")
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_depth_attention/depth_attention", "Output prefix (<out>.json, <out>.md).")
 
 
 def stack_loss(shape: dict, implementation: str):

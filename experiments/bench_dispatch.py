@@ -77,5 +77,5 @@ if __name__ == "__main__":
     _ROWS = flags.DEFINE_list("rows", ["k3_default", "like_for_like"], "bench_train rows.")
     _LAYOUTS = flags.DEFINE_list("layouts", ["unrolled", "scanned"], "unrolled and / or scanned layers.")
     _CALLS = flags.DEFINE_integer("calls", 10, "Timed calls per row.")
-    _OUT = flags.DEFINE_string("out", "/tmp/bench_dispatch", "Output prefix (<out>.json, .md).")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_dispatch/dispatch", "Output prefix (<out>.json, .md).")
     app.run(main)

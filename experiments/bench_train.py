@@ -252,7 +252,7 @@ def _define_flags():
     _SCAN = flags.DEFINE_bool("scan_layers", None, "k3jax rows: model.scan_layers (default: the shape's, else False).")
     _REMAT = flags.DEFINE_enum("remat", None, ["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
                                "k3jax rows: model.remat (with --scan_layers; default: the shape's, else none).")
-    _OUT = flags.DEFINE_string("out", "experiments/results/train_step_h200", "Output prefix (<out>.json, .md).")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_bench_train/train_step", "Output prefix (<out>.json, .md).")
     _JLA_CONFIG = flags.DEFINE_string("jla_config", "", "jla TOML at the shape (default: the shape's own).")
     _ONE_ROW = flags.DEFINE_string("one_row", "", "Internal: run this k3jax row here and print its JSON.")
     _TIMEOUT = flags.DEFINE_float("row_timeout_s", 560.0, "Seconds a row's subprocess may take.")

@@ -17,6 +17,8 @@ import re
 
 from absl import app, flags
 
+from experiments.harness import write_results
+
 # (category, rule on "kernel | kind | source | component"), first match wins.
 CATEGORIES = (
     # the kernels (cuDNN's sdpa, jla's entry / kernel_dq / kernel_dkv) and the ops of the attention functions;
@@ -90,16 +92,13 @@ def render(result: dict) -> str:
 def main(argv):
     del argv
     result = compare(_PROFILES.value, _NAMES.value)
-    with open(_OUT.value + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     text = render(result)
-    with open(_OUT.value + ".md", "w") as f:
-        f.write(text)
+    write_results(_OUT.value, result, text)
     print(text)
 
 
 if __name__ == "__main__":
     _PROFILES = flags.DEFINE_list("profiles", [], "profile_step JSONs, the reference first.")
     _NAMES = flags.DEFINE_list("names", [], "One name per profile.")
-    _OUT = flags.DEFINE_string("out", "/tmp/compare_profiles", "Output prefix (<out>.json, <out>.md).")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_compare_profiles/compare", "Output prefix (<out>.json, <out>.md).")
     app.run(main)

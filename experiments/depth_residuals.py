@@ -42,8 +42,9 @@ what the model, its optimizer state, activations and its compilation added. On G
 numbers are of the shared parent process (monotone, not per config).
 
 Outputs: `<out>.json` (all raw numbers, date, machine, versions), `<out>.md` (table + the markdown of
-`--notes_file` if given) and `<out>_{val_loss,cosine,hidden_rms,depth_weights}.png`. To add notes to a
-finished sweep without retraining: `--report_from=<out>.json --notes_file=notes.md`.
+`--notes_file`, by default `<out>_notes.md` when it exists, as the committed page's notes do) and
+`<out>_{val_loss,cosine,hidden_rms,depth_weights}.png`. To add notes to a finished sweep without
+retraining: `--report_from=<out>.json --notes_file=notes.md`.
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def _define_flags():
     flags.DEFINE_bool("isolate", True, "One subprocess per (variant, depth): per-config peak memory.")
     flags.DEFINE_bool("reuse", True, "Reuse a (variant, depth) result already in --workdir with the "
                       "same settings (resume an interrupted sweep).")
-    flags.DEFINE_string("notes_file", "", "Markdown appended to the table as 'What happened'.")
+    flags.DEFINE_string("notes_file", "", "Markdown appended to the table as 'What happened' (default: "
+                        "<out>_notes.md when it exists).")
     flags.DEFINE_string(
         "report_from", "", "Rewrite <out>.md and the plots from this existing results JSON (keeps its date, machine "
         "and raw numbers; adds --notes_file) instead of training.")
@@ -722,8 +724,9 @@ def main(argv):
         os.replace(spec["out"] + ".tmp", spec["out"])
         return
     notes = ""
-    if FLAGS.notes_file:
-        with open(FLAGS.notes_file) as f:
+    notes_file = FLAGS.notes_file or (FLAGS.out + "_notes.md" if os.path.exists(FLAGS.out + "_notes.md") else "")
+    if notes_file:                   # the committed page's notes live beside it: a re-run keeps them
+        with open(notes_file) as f:
             notes = f.read()
     if FLAGS.report_from:
         with open(FLAGS.report_from) as f:

@@ -317,7 +317,7 @@ def _define_flags():
     _CONFIG = define_config_file("config", "experiments/configs/k3_tiny.py", "Run config.")
     _LAYERS = flags.DEFINE_bool("layers", False, "Instead of the trace: forward+backward time of each sublayer type "
                                 "and of the whole LM loss (median of --timed calls after --warmup).")
-    _OUT = flags.DEFINE_string("out", "/tmp/profile_step", "Output prefix (<out>.json, <out>.md).")
+    _OUT = flags.DEFINE_string("out", "/tmp/k3jax_profile_step/profile", "Output prefix (<out>.json, <out>.md).")
     _TRACE_DIR = flags.DEFINE_string("trace_dir", "", "Profiler trace folder ('' = <out>_trace).")
     _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps after the compiling first step.")
     _TIMED = flags.DEFINE_integer("timed", 3, "Steps timed without the profiler (medians reported).")

@@ -2,8 +2,8 @@
 
 Two parts, both on CPU:
 
-  python -m experiments.quantile_threshold_study synthetic   # routing.threshold_route on fixed routers
-  python -m experiments.quantile_threshold_study train       # a small MoE LM, none vs quantile_threshold
+  python -m experiments.quantile_threshold_study --mode=synthetic   # threshold_route on fixed routers
+  python -m experiments.quantile_threshold_study --mode=train       # a small MoE LM, none vs quantile_threshold
 
 `synthetic`: a router whose logits are ``σ·z_j + ε_ij`` (``z`` = 32 sorted standard normals, seed 0,
 a per-expert popularity shared by all tokens; ``ε ~ N(0, 1)`` fresh per step), E = 32, top-4, 16,384
@@ -19,24 +19,35 @@ the DEMAND MaxVio (plain top-k of the router, what `none` would route) next to t
 "the method shed load but the router concentrated" can be told apart from "the method made it worse".
 The demand statistic is read by wrapping `k3jax.ops.balancing.balance` inside this script only.
 
-Writes a JSON to $QT_STUDY_OUT (default /tmp/k3jax_quantile_threshold_study/quantile_threshold_study.json;
-the committed one: QT_STUDY_OUT=experiments/results/quantile_threshold_study.json).
+Writes <out>.json (--out, default /tmp/k3jax_quantile_threshold_study/quantile_threshold_study; a run
+of one mode keeps the other mode's part of an existing file; the committed one:
+--out=experiments/results/quantile_threshold_study). Its page, quantile_threshold_study.md, is written
+by hand from that JSON.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
+from experiments.harness import environment
 from k3jax.ops import balance_metrics as M
 from k3jax.ops import balancing as B
-from experiments.harness import environment
 from k3jax.ops import routing as R
 from k3jax.ops import threshold_routing as T
+
+
+def _define_flags():
+    """Command-line flags, defined only when run as a script (importing this module defines none)."""
+    flags.DEFINE_enum("mode", "synthetic", ["synthetic", "train"], "which part of the study to run")
+    flags.DEFINE_string("out", "/tmp/k3jax_quantile_threshold_study/quantile_threshold_study",
+                        "output prefix (<out>.json)")
+    flags.DEFINE_list("methods", ["none", "quantile_threshold"], "--mode=train: balancing methods")
+    flags.DEFINE_integer("steps", 200, "--mode=train: training steps per method")
 
 E, TOP_K, N = 32, 4, 16384
 
@@ -164,16 +175,17 @@ def train_study(steps: int = 200, seeds=(0,), methods=("none", "quantile_thresho
 
 
 def main(argv):
-    mode = argv[1] if len(argv) > 1 else "synthetic"
-    out = os.environ.get("QT_STUDY_OUT", "/tmp/k3jax_quantile_threshold_study/quantile_threshold_study.json")
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; the part to run is --mode=synthetic or --mode=train")
+    f = flags.FLAGS
+    if not f.out:
+        raise ValueError("out must be a path prefix; got ''")
+    out = f.out + ".json"
     data = json.load(open(out)) if os.path.exists(out) else {}
-    if mode == "synthetic":
+    if f.mode == "synthetic":
         data["synthetic"] = synthetic_study()
-    elif mode == "train":
-        methods = tuple(os.environ.get("QT_METHODS", "none,quantile_threshold").split(","))
-        data.setdefault("train", {}).update(train_study(steps=int(os.environ.get("QT_STEPS", "200")), methods=methods))
     else:
-        raise ValueError(f"mode must be synthetic or train; got {mode!r}")
+        data.setdefault("train", {}).update(train_study(steps=f.steps, methods=tuple(f.methods)))
     data["meta"] = environment()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -181,4 +193,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    _define_flags()
+    app.run(main)

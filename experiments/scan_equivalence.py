@@ -45,7 +45,7 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
 _TAIL = flags.DEFINE_integer("tail", 5, "Logged steps averaged into the final training loss.")
 _TINY = flags.DEFINE_bool("tiny", False, "Smoke run: 2 seeds, 6 steps, batch 2, sequences of 64.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs (default: a temporary one).")
-_OUT = flags.DEFINE_string("out", "/tmp/scan_equivalence", "Output prefix (<out>.json, <out>.md).")
+_OUT = flags.DEFINE_string("out", "/tmp/k3jax_scan_equivalence/scan_equivalence", "Output prefix (<out>.json, <out>.md).")
 _FROM_JSON = flags.DEFINE_list("from_json", [], "Re-summarise the runs of these earlier <out>.json files (no "
                                 "training; same shape and dtype): seeds run in separate calls merge this way.")
 

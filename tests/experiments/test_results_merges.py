@@ -162,6 +162,21 @@ def test_gate_stability_page_keeps_every_run(tmp_path):
     assert (tmp_path / "gate_stability.md").read_text() == page
 
 
+def test_depth_residuals_page_keeps_its_notes(tmp_path):
+    # The committed page's notes (What happened, the extra sweeps) live in depth_residuals_notes.md:
+    # re-rendering into that folder without --notes_file keeps them (it used to drop them).
+    src = os.path.join(REPO, "experiments", "results")
+    for name in ("depth_residuals.json", "depth_residuals_notes.md"):
+        (tmp_path / name).write_text(open(os.path.join(src, name)).read())
+    r = subprocess.run([sys.executable, "-m", "experiments.depth_residuals",
+                        f"--report_from={tmp_path / 'depth_residuals.json'}", f"--out={tmp_path / 'depth_residuals'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "depth_residuals.md").read_text()
+    assert "## What happened" in page and "## Extra sweeps" in page, page[:2000]
+    assert page == open(os.path.join(src, "depth_residuals.md")).read()      # the committed page, re-rendered
+
+
 def test_moe_balance_finds_used_run_directories(tmp_path):
     plan = moe_balance.run_order(["none", "aux_loss"], [0, 1], "seed_major")
     assert moe_balance.used_workdirs(str(tmp_path), plan) == []

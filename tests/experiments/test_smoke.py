@@ -58,7 +58,7 @@ SCRIPTS = {
     "scan_buffer_memory": ("scan_buffer_memory", ["--tiny", "--out={out}/sbm"], ["sbm.json", "sbm.md"]),
     "profile_step_layers": ("profile_step", ["--layers", *TINY_LM, "--timed=1", "--warmup=0", "--out={out}/layers"],
                             ["layers.json", "layers.md"]),
-    "quantile_threshold_study": ("quantile_threshold_study", ["synthetic"], []),  # prints its rows only
+    "quantile_threshold_study": ("quantile_threshold_study", ["--mode=synthetic", "--out={out}/qt"], ["qt.json"]),
     "train": ("train", [*TINY_LM, "--config.train.steps=2", "--config.train.eval_every=2",
                         "--config.train.eval_batches=1", "--config.train.checkpoint_every=2",
                         "--config.train.warmup_steps=1", "--config.workdir={out}/run"], ["run/run_header.json"]),
