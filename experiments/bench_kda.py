@@ -441,8 +441,10 @@ FLOOR_RATES = {"H200": (790e12, 4.3e12)}
 
 def floor_rates(device: str):
     """(FLOP/s, bytes/s) of the floor for a device name (environment()["device"]; "H200" as a word,
-    so not GH200), or None."""
-    return next((rates for name, rates in FLOOR_RATES.items() if re.search(rf"\b{name}\b", device)), None)
+    so not GH200), or None; for several devices (" / "-joined by load_rows) None."""
+    found = {next((rates for name, rates in FLOOR_RATES.items() if re.search(rf"\b{name}\b", d)), None)
+             for d in device.split(" / ")}
+    return found.pop() if len(found) == 1 else None
 
 
 def side_by_side(rows: list[dict], key: str, title: str, device: str = "") -> list[str]:
@@ -453,11 +455,10 @@ def side_by_side(rows: list[dict], key: str, title: str, device: str = "") -> li
     docs = sorted({r.get("docs_per_row", 1) for r in rows if r.get("mode") != "check"}) or [1]
     if docs != [1]:
         title += f"; packed rows, {'/'.join(map(str, docs))} documents per row (segment_ids)"
-    rates = None if " / " in device else floor_rates(device)      # " / ": merged runs of several cards
+    rates = floor_rates(device)
     floor_text = (f"floor = max(FLOPs / {rates[0] / 1e12:.0f} TFLOP/s, bytes / {rates[1] / 1e12:.1f} TB/s), the "
                   "H200 rates measured on these machines" if rates else
-                  ("no floor: rows of several devices" if " / " in device else
-                   f"no floor: no measured rates for {device or 'this device'}"))
+                  f"no floor: no measured rates for {device or 'this device'}")
     lines = ["", f"{title}; ratio = k3jax / best peer, < 1 is faster; {floor_text}):", "",
              "| B×T×H | mode | k3jax pallas | k3jax chunked | jla | fla | pallas / best peer | "
              "chunked / best peer | chunked / pallas | floor ms | pallas % of floor |",

@@ -138,8 +138,9 @@ def run_long():
     return out
 
 
-def to_markdown(env, rows, long_rows, config, level="#"):
-    lines = [f"{level} KDA gate stability ({env['date']})", "",
+def to_markdown(env, rows, long_rows, config):
+    """One run's section of the page (write_page)."""
+    lines = [f"## KDA gate stability ({env['date']})", "",
              f"Machine: {env['platform']}, {env['cpu_count']} CPUs, backend {env['backend']}; python "
              f"{env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}.",
              f"Inputs: B={config['batch']}, T={config['seq_len']}, H={config['heads']}, K=V={config['head_dim']}, "
@@ -219,7 +220,7 @@ def write_page(out_dir):
              "One page for `experiments/gate_stability.py`, rendered from its runs' files here: " +
              ", then ".join(f"`{n}`" for n in runs) + ".", ""]
     for saved in runs.values():
-        parts.append(to_markdown(saved["environment"], saved["grid"], saved["long"], saved["config"], level="##"))
+        parts.append(to_markdown(saved["environment"], saved["grid"], saved["long"], saved["config"]))
     page = "\n".join(parts)
     with open(os.path.join(out_dir, "gate_stability.md"), "w") as f:
         f.write(page)
