@@ -17,7 +17,7 @@ registers a thread.
 
 I/O: every input but beta and the document masks (direct loads, each before the product it masks)
 arrives by TMA in five phases (one barrier each): 0 the states and dO;
-1 W and U; 2 dU and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). SMEM 224 KiB
+1 W and U; 2 dU (straight into its operand) and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). SMEM 224 KiB
 at K = V = 128 (one CTA an SM; plgpu.RefUnion shares the staging buffers between phases).
 """
 from __future__ import annotations
@@ -77,8 +77,8 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
         raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"K = {K} and V = {V} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
-    check_dtypes(dict(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w), BF16)
-    check_dtypes(dict(G=G, du=du, u=u, A=A, M=M), F32)
+    check_dtypes(dict(q=q, k=k, v=v, do=do, du=du, h=h, dh=dh, w=w), BF16)
+    check_dtypes(dict(G=G, u=u, A=A, M=M), F32)
     if not jnp.issubdtype(beta.dtype, jnp.floating):
         raise ValueError(f"beta must be a float array; got {beta.dtype}")
     NT, C = T // CHUNK, CHUNK
@@ -97,7 +97,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
     Args:
       q, k: [B, T, H, K] bf16; v: [B, T, H, V] bf16; G: [B, T, H, K] fp32, the chunk-local inclusive
         cumsum of g (nats); beta: [B, T, H] float; do: [B, T, H, V] bf16 (token-major).
-      du: [B, H, T, V] fp32 (dV' of the reverse state pass); h, dh: [B, H, T / 64, V, K] bf16, the
+      du: [B, H, T, V] bf16 (dV' of the reverse state pass); h, dh: [B, H, T / 64, V, K] bf16, the
         transposed state entering each chunk and the transposed gradient of the state after it.
       w: [B, H, T, K] bf16, u: [B, H, T, V] fp32 (the forward's W, U); A, M: [B, H, T, 64] fp32.
       scale: the query scale; segments: None or rel [B, T] int32 (the forward's): packed documents,
@@ -121,7 +121,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         (dv_ref, dbeta_ref, dq_ref, dk_ref, dg_ref, dgl_ref, dm_ref, daqk_ref,
          w_s, du_s, vp_s, x_s, a_hi, a_lo, states, staged, *bars) = rest
         (h_s, dh_s, do_s), (t_hi, t_lo, v_in, m_in) = states
-        (u_in,), (du_in, a_in), (g_in, q_in, k_in) = staged
+        (u_in,), (a_in,), (g_in, q_in, k_in) = staged
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, hh = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
@@ -155,8 +155,8 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         vp_s[...] = (load(u_in) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
         plgpu.commit_smem()                               # also: every read of u_in is done
 
-        # phase 2: dU and A (rounded / split into operands while dO V'^T runs)
-        fetch(2, [(du_ref.at[bh, rows], du_in), (A_ref.at[bh, rows], a_in)])
+        # phase 2: dU (bf16, into its operand) and A (split into operands after dO V'^T)
+        fetch(2, [(du_ref.at[bh, rows], du_s), (A_ref.at[bh, rows], a_in)])
 
         def daqk_dot(acc):                                # dO V'^T
             plgpu.wgmma(acc, do_s, vp_s.T)
@@ -168,9 +168,8 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
             daqk = pl.run_scoped(daqk_dot, plgpu.ACC((C, C), F32))
             daqk_ref.at[bh, rows][...] = jnp.where(_lower(C) & seg.same(*rel), daqk, 0.0)
         arrived(2)
-        du_s[...] = load(du_in).astype(BF16)
         split_bf16(load(a_in), a_hi, a_lo)
-        plgpu.commit_smem()                               # also: every read of du_in, a_in is done
+        plgpu.commit_smem()                               # also: every read of a_in is done
 
         # phase 3: G, q, k
         fetch(3, [(G_ref.at[b, rows, hh, halves[kh]], g_in.at[kh]) for kh in range(KH)]
@@ -260,7 +259,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         (operand((C, C)), operand((C, C)), operand((C, V)), staging((C, C), F32)))
     staged = plgpu.RefUnion(
         (staging((C, V), F32),),
-        (staging((C, V), F32), staging((C, C), F32)),
+        (staging((C, C), F32),),
         (staging((KH, C, HALF), F32), operand((KH, C, HALF)), operand((KH, C, HALF))))
     kernel = plgpu.kernel(
         body, out_type=out_type,

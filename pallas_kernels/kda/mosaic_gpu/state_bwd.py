@@ -28,7 +28,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
       dht: [B, H, V, K] fp32, the TRANSPOSED final-state gradient, or [B, H, NS, V, K]: the gradient
         at the end of each of NS segments (the sequence split).
       interpret: as state_fwd.
-    Returns: du = dV' [B, H, T, V] fp32; dh [B, H, T / 64, V, K] bf16 (the transposed gradient of
+    Returns: du = dV' [B, H, T, V] bf16 (solve_bwd's operand rounding); dh [B, H, T / 64, V, K] bf16 (the transposed gradient of
       the state after each chunk); dh0 fp32 of dht's shape.
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes, NS not
       dividing T / 64, or shapes that do not match.
@@ -87,7 +87,7 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
                 return acc[...]
             dvp = pl.run_scoped(dvp_dot, plgpu.ACC((C, BV), F32))
             dvn_s[...] = (-dvp).astype(BF16)
-            dv_s[...] = dvp
+            dv_s[...] = dvp.astype(BF16)                  # its consumers' rounding (bf16 operands)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dv_s, du_ref.at[bh, pl.ds(c * C, C), vcols])
 
@@ -102,11 +102,11 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
 
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
+        out_type=(jax.ShapeDtypeStruct((BH, T, V), BF16), jax.ShapeDtypeStruct((BH, NT, V, K), BF16),
                   jax.ShapeDtypeStruct((BH, NS, V, K), F32)),
         scratch_types=[operand((2, C, K)), operand((2, C, K)), operand((2, C, C)), operand((2, C, BV)),
                        plgpu.SMEM((2, K), F32), operand((2, C, K)), operand((BV, K)),
-                       operand((C, BV)), plgpu.SMEM((C, BV), F32), plgpu.SMEM((BV, K), F32),
+                       operand((C, BV)), plgpu.SMEM((C, BV), BF16), plgpu.SMEM((BV, K), F32),
                        plgpu.Barrier(num_arrivals=6, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(BH, V // BV, NS), grid_names=("bh", "v", "s"), interpret=interpret_params(interpret),
         kernel_name="kda_state_bwd_mgpu")

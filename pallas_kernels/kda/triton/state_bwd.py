@@ -30,7 +30,7 @@ def _state_bwd_kernel(qg_ref, kd_ref, w_ref, aqk_ref, gl_ref, do_ref, dht_ref, d
         dh_ref[c] = dSt.astype(dh_ref.dtype)
         do = do_ref[rows, :].astype(F32)
         dvp = cm.dot_tn(aqk_ref[rows, :].astype(F32), do, p) + cm.dot_nt(kd_ref[rows, :].astype(F32), dSt, p)
-        du_ref[rows, :] = dvp
+        du_ref[rows, :] = dvp.astype(du_ref.dtype)
         return (cm.dot_tn(do, qg_ref[rows, :].astype(F32), p) + dSt * gl_ref[pl.ds(c, 1), :]
                 - cm.dot_tn(dvp, w_ref[rows, :].astype(F32), p))
 
@@ -45,8 +45,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, state_dtype, chunk_size: int = 64,
       do [B, T, H, V] (token-major); dht [B, H, V, K] (transposed final-state gradient) or
       [B, H, NS, V, K] (the true gradient at the end of each of NS segments); state_dtype: storage
       dtype of dh (and the dots' rounding, as state_fwd).
-    Returns: du = dV' [B, H, T, V] fp32; dh [B, H, NT, V, K] (state_dtype; the transposed gradient of
-      the state after each chunk); dh0 fp32 of dht's rank (per segment: the gradient at its start).
+    Returns: du = dV' [B, H, T, V] and dh [B, H, NT, V, K] (the transposed gradient of the state
+      after each chunk), both in state_dtype (du: the rounding of solve_bwd's operands); dh0 fp32 of dht's rank (per segment: the gradient at its start).
     """
     B, H, T, K = qg.shape
     V = do.shape[-1]
@@ -60,7 +60,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, state_dtype, chunk_size: int = 64,
         functools.partial(_state_bwd_kernel, chunk_size=C, precision=p),
         grid=(B, H, V // BV, lay.num_segments),
         in_specs=[lay.k, lay.k, lay.k, lay.a, lay.g, fo, lay.s], out_specs=[lay.v, lay.h, lay.s],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), F32), jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, V), state_dtype),
+                   jax.ShapeDtypeStruct((B, H, NT, V, K), state_dtype),
                    jax.ShapeDtypeStruct((B, H, lay.num_segments, V, K), F32)],
         interpret=interpret, compiler_params=cm.compiler_params(num_warps), name="kda_state_bwd",
     )(qg, kd, w, aqk, gl, do, lay.state)

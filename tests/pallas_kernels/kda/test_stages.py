@@ -88,13 +88,14 @@ def state_bwd_inputs(B, H, T, K, V, seed=0, segments=None):
 
 
 def solve_bwd_inputs(B, T, H, K, V, seed=0):
-    """solve_bwd's inputs with the op's dtypes: A unit lower-triangular, M strictly lower per chunk."""
+    """solve_bwd's inputs with the op's dtypes (du = dV' bf16, as state_bwd writes it): A unit
+    lower-triangular, M strictly lower per chunk."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 13)
     n = lambda i, shape, s=1.0: s * jax.random.normal(ks[i], shape)   # noqa: E731
     NT = T // 64
     q, k, v, G, beta = intra_inputs(B, T, H, K, V, seed)
     tri = lambda i: jnp.tril(n(i, (B, H, NT, 64, 64), 0.2), -1)      # noqa: E731
-    return (q, k, v, G, beta, n(5, (B, T, H, V)).astype(BF), n(6, (B, H, T, V)),
+    return (q, k, v, G, beta, n(5, (B, T, H, V)).astype(BF), n(6, (B, H, T, V)).astype(BF),
             n(7, (B, H, NT, V, K)).astype(BF), n(8, (B, H, NT, V, K)).astype(BF),
             n(9, (B, H, T, K), 0.1).astype(BF), n(10, (B, H, T, V)),
             (tri(11) + jnp.eye(64)).reshape(B, H, T, 64), tri(12).reshape(B, H, T, 64))
@@ -483,10 +484,11 @@ class TestMosaicGPUStages:
         assert "kda_state_bwd_mgpu" in text(mgpu.state_bwd, hm_k, hm_k, hm_k, hm_c, gl, tok_v, h0)
         assert "kda_intra_bwd_solve_mgpu" in text(
             lambda *a: mgpu.solve_bwd(*a, scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32), sd((B, T, H), BF),
-            tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32))
+            tok_v, sd((B, H, T, V), BF), st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32))
         assert "kda_intra_bwd_solve_mgpu" in text(
             lambda *a: mgpu.solve_bwd(*a[:13], segments=a[13], scale=0.1), tok_k, tok_k, tok_v, sd((B, T, H, K), f32),
-            sd((B, T, H), BF), tok_v, hm_v, st, st, hm_k, hm_v, sd((B, H, T, 64), f32), sd((B, H, T, 64), f32), rel)
+            sd((B, T, H), BF), tok_v, sd((B, H, T, V), BF), st, st, hm_k, hm_v, sd((B, H, T, 64), f32),
+            sd((B, H, T, 64), f32), rel)
         hm_f = sd((B, H, T, K), f32)
         assert "kda_intra_bwd_scores_mgpu" in text(
             lambda *a: mgpu.score_bwd(*a, scale=0.1, centre=CENTRE), tok_k, tok_k, sd((B, T, H, K), f32), hm_f, hm_f,
