@@ -10,8 +10,8 @@ The stage pipeline (plan.py picks a backend per stage; docs/kda_kernels.md):
 The kernels read and write the user's token-major [B, T, H, .] tensors through BlockSpecs / TMA; XLA
 only pads (T to a multiple of 64, K and V to powers of two >= 16: inert zeros) and, with segment_ids,
 computes the per-chunk document offsets. Saved for the backward (bf16 inputs, K = V = 128, per
-(batch, head) and T tokens): qg, kd, w, aqk bf16 (T x 448 x 2 bytes), u fp32, A, M fp32 (T x 128 x
-4), the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs; nothing is recomputed.
+(batch, head) and T tokens): qg, kd, w, u, aqk bf16 (T x 576 x 2 bytes), A, M fp32 (T x 128 x 4),
+the per-chunk states h bf16 (T / 64 x 128 x 128 x 2), plus the inputs; nothing is recomputed.
 This package never imports k3jax.
 """
 from __future__ import annotations

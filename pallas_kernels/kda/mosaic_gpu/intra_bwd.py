@@ -77,8 +77,8 @@ def _check(q, k, v, G, beta, do, du, h, dh, w, u, A, M):
         raise ValueError(f"T = {T} must be a multiple of {CHUNK}")
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"K = {K} and V = {V} must be in {HEAD_DIMS} (wgmma tiles of 64 columns)")
-    check_dtypes(dict(q=q, k=k, v=v, do=do, du=du, h=h, dh=dh, w=w), BF16)
-    check_dtypes(dict(G=G, u=u, A=A, M=M), F32)
+    check_dtypes(dict(q=q, k=k, v=v, do=do, du=du, h=h, dh=dh, w=w, u=u), BF16)
+    check_dtypes(dict(G=G, A=A, M=M), F32)
     if not jnp.issubdtype(beta.dtype, jnp.floating):
         raise ValueError(f"beta must be a float array; got {beta.dtype}")
     NT, C = T // CHUNK, CHUNK
@@ -99,7 +99,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         cumsum of g (nats); beta: [B, T, H] float; do: [B, T, H, V] bf16 (token-major).
       du: [B, H, T, V] bf16 (dV' of the reverse state pass); h, dh: [B, H, T / 64, V, K] bf16, the
         transposed state entering each chunk and the transposed gradient of the state after it.
-      w: [B, H, T, K] bf16, u: [B, H, T, V] fp32 (the forward's W, U); A, M: [B, H, T, 64] fp32.
+      w: [B, H, T, K] bf16, u: [B, H, T, V] bf16 (the forward's W, U); A, M: [B, H, T, 64] fp32.
       scale: the query scale; segments: None or rel [B, T] int32 (the forward's): packed documents,
         the selects of triton/intra_bwd.py's solve_bwd (dQg, X and dX on the rows of the incoming
         state's document, dKd on the last document's, d e^{G_last} only without a start, dAqk and
@@ -152,7 +152,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
             for kh in range(KH):
                 plgpu.wgmma(acc, w_s.at[kh], h_s.at[kh].T)
             return acc[...]
-        vp_s[...] = (load(u_in) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
+        vp_s[...] = (load(u_in, smem=True) - pl.run_scoped(vp_dot, plgpu.ACC((C, V), F32))).astype(BF16)
         plgpu.commit_smem()                               # also: every read of u_in is done
 
         # phase 2: dU (bf16, into its operand) and A (split into operands after dO V'^T)
@@ -258,7 +258,7 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
         (operand((KH, V, HALF)), operand((KH, V, HALF)), operand((C, V))),
         (operand((C, C)), operand((C, C)), operand((C, V)), staging((C, C), F32)))
     staged = plgpu.RefUnion(
-        (staging((C, V), F32),),
+        (operand((C, V)),),
         (staging((C, C), F32),),
         (staging((KH, C, HALF), F32), operand((KH, C, HALF)), operand((KH, C, HALF))))
     kernel = plgpu.kernel(

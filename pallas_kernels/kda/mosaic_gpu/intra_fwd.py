@@ -52,7 +52,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
         and Aqk keep same-document pairs, qg and X the rows of the incoming state's document, kd
         the rows of the last document, gl only chunks without a start); None traces the dense
         kernel unchanged; interpret: as state_fwd.
-    Returns: qg, kd [B, H, T, K] bf16; w [B, H, T, K] bf16; u [B, H, T, V] fp32; aqk [B, H, T, 64]
+    Returns: qg, kd [B, H, T, K] bf16; w [B, H, T, K] bf16; u [B, H, T, V] bf16 (as fla, jla); aqk [B, H, T, 64]
       bf16 (lower-triangular per chunk); gl [B, H, T / 64, K] fp32 (e^{G_last}); with save_solve
       also A = (I + beta M)^-1 and M (strictly lower, beta-free), [B, H, T, 64] fp32.
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, q / k / v not bf16, G
@@ -197,7 +197,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, save_solve: bool =
                     wu_dot, plgpu.ACC((C, HALF), F32)).astype(dst.dtype)
 
     bf_k, f_c = jax.ShapeDtypeStruct((BH, T, K), BF16), jax.ShapeDtypeStruct((BH, T, C), F32)
-    out_type = [bf_k, bf_k, bf_k, jax.ShapeDtypeStruct((BH, T, V), F32),
+    out_type = [bf_k, bf_k, bf_k, jax.ShapeDtypeStruct((BH, T, V), BF16),
                 jax.ShapeDtypeStruct((BH, T, C), BF16), jax.ShapeDtypeStruct((BH, NT, K), F32)]
     out_type += [f_c, f_c] if save_solve else []
     # SMEM (K = V = 128), 98 KiB so that two CTAs share an SM: k 16 KiB; the anchor rows 2 KiB; q,

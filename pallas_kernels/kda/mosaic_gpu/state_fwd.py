@@ -54,7 +54,8 @@ def check_serial_args(kd, w, u, gl, h0):
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"K = {K} and V = {V} must be in {HEAD_DIMS}")
     check_dtypes(dict(kd=kd, w=w), BF16)
-    check_dtypes(dict(u=u, gl=gl, h0=h0), F32)
+    check_dtypes(dict(u=u), BF16)
+    check_dtypes(dict(gl=gl, h0=h0), F32)
     NT = T // CHUNK
     per_segment = h0.ndim == 5
     NS = h0.shape[2] if per_segment else 1
@@ -73,7 +74,7 @@ def state_fwd(kd, w, u, gl, h0, qg, aqk, *, write_states: bool = True,
 
     Args:
       kd, w, qg: [B, H, T, K] bf16 (intra_fwd's Kd = k e^{G_last - G}, W, Qg = scale q e^G).
-      u: [B, H, T, V] fp32 (U).  aqk: [B, H, T, 64] bf16 (lower-triangular per chunk).
+      u: [B, H, T, V] bf16 (U).  aqk: [B, H, T, 64] bf16 (lower-triangular per chunk).
       gl: [B, H, T / 64, K] fp32, e^{G_last} per chunk (a decay in (0, 1], not a log).
       h0: [B, H, V, K] fp32 initial state, TRANSPOSED, or [B, H, NS, V, K]: the start of each of NS
         segments (the sequence split; NS divides T / 64).
@@ -125,7 +126,7 @@ def state_fwd(kd, w, u, gl, h0, qg, aqk, *, write_states: bool = True,
             def recall(acc):                                   # W [C, K] @ S [K, BV]
                 plgpu.wgmma(acc, w_s.at[slot], st_b.T)
                 return acc[...]
-            vn = plgpu.load(u_s.at[slot], (), layout=WG) - pl.run_scoped(recall, plgpu.ACC((C, BV), F32))
+            vn = plgpu.load(u_s.at[slot], (), layout=WG).astype(F32) - pl.run_scoped(recall, plgpu.ACC((C, BV), F32))
             vn_s[...] = vn.astype(BF16)
             plgpu.commit_smem()
 
@@ -149,7 +150,7 @@ def state_fwd(kd, w, u, gl, h0, qg, aqk, *, write_states: bool = True,
     out_type.append(jax.ShapeDtypeStruct((BH, NS, V, K), F32))
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type),
-        scratch_types=[operand((2, C, K)), plgpu.SMEM((2, C, BV), F32), plgpu.SMEM((2, K), F32),
+        scratch_types=[operand((2, C, K)), plgpu.SMEM((2, C, BV), BF16), plgpu.SMEM((2, K), F32),
                        operand((2, C, K)), operand((2, C, C)), plgpu.SMEM((BV, K), F32), operand((2, C, K)),
                        operand((BV, K)), operand((C, BV)), operand((C, BV)),
                        plgpu.Barrier(num_arrivals=6, num_barriers=2), plgpu.Barrier(num_arrivals=1, num_barriers=1)],

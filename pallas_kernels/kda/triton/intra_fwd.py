@@ -79,7 +79,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, unbounded: bool, s
         masked (cm.Segments) so that the unchanged state passes reset the state at every document
         start.
       save_solve: also return M (the backward's). num_warps: Triton warps (plan.Tuning).
-    Returns: qg, kd, w [B, H, T, K] (q's dtype); u [B, H, T, V] fp32; aqk [B, H, T, C] (q's dtype;
+    Returns: qg, kd, w [B, H, T, K], u [B, H, T, V] (q's dtype, as fla, jla); aqk [B, H, T, C] (q's dtype;
       lower-triangular per chunk); gl = e^{G_last} [B, H, T / C, K] fp32; A [B, H, T, C] fp32; with
       save_solve M [B, H, T, C] fp32 (strictly lower, beta-free).
     """
@@ -106,7 +106,7 @@ def intra_fwd(q, k, v, G, beta, *, scale: float, centre: int, unbounded: bool, s
         functools.partial(_wu_kernel, segmented=segmented), grid=(B, H, NT),
         in_specs=[sp.ik, sp.iv, sp.ik, sp.ib, sp.ta] + ([sp.seg] if segmented else []),
         out_specs=[sp.tk, sp.tv],
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), q.dtype), jax.ShapeDtypeStruct((B, H, T, V), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, K), q.dtype), jax.ShapeDtypeStruct((B, H, T, V), q.dtype)],
         interpret=interpret, compiler_params=params, name="kda_intra_fwd_wu",
     )(k, v, G, beta, A, *extra)
     return (qg, kd, w, u, aqk, gl, A) + (tuple(M) if save_solve else ())
