@@ -83,7 +83,7 @@ def state_fwd(kd, w, u, gl, h0, qg, aqk, *, write_states: bool = True,
     Returns: o [B, T, H, V] bf16 (token-major); h [B, H, T / 64, V, K] bf16 (the transposed state
       entering each chunk) or None; ht fp32 of h0's shape (after the last chunk / each segment).
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes, NS not
-      dividing T / 64, or shapes that do not match. SMEM: 209 KiB at K = V = 128.
+      dividing T / 64, or shapes that do not match. SMEM: 193 KiB at K = V = 128.
     """
     B, H, T, K, V, NT, per_segment, NS = check_serial_args(kd, w, u, gl, h0)
     check_dtypes(dict(qg=qg, aqk=aqk), BF16)

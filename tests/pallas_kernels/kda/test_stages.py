@@ -278,6 +278,38 @@ class TestTritonCumsum:
             triton.chunk_cumsum(x[0], 64, interpret=True)
 
 
+class TestSavedDtypes:
+    """U and dV' are stored in the input dtype (bf16 inputs: bf16, as fla and jla store U; every dot that
+    reads dV' rounds it to bf16, so storing it bf16 is exact), fp32 for fp32 inputs; a revert to fp32 would
+    be bit-identical at the op level and only cost HBM traffic, so the dtypes are asserted here."""
+
+    @pytest.mark.parametrize("dtype", [BF, jnp.float32])
+    def test_triton(self, dtype):
+        B, T, H, K, V = 1, 128, 2, 64, 64
+        sd = jax.ShapeDtypeStruct
+        tok_k, tok_v = sd((B, T, H, K), dtype), sd((B, T, H, V), dtype)
+        outs = jax.eval_shape(lambda *a: triton.intra_fwd(*a, scale=0.1, centre=CENTRE, unbounded=False, interpret=True),
+                              tok_k, tok_k, tok_v, sd((B, T, H, K), jnp.float32), sd((B, T, H), dtype))
+        assert outs[3].shape == (B, H, T, V) and outs[3].dtype == dtype            # u
+        hm_k = sd((B, H, T, K), dtype)
+        du = jax.eval_shape(lambda *a: triton.state_bwd(*a, state_dtype=dtype, interpret=True), hm_k, hm_k, hm_k,
+                            sd((B, H, T, 64), dtype), sd((B, H, T // 64, K), jnp.float32), tok_v,
+                            sd((B, H, V, K), jnp.float32))[0]
+        assert du.shape == (B, H, T, V) and du.dtype == dtype
+
+    def test_mosaic_gpu(self):
+        B, T, H, K, V = 1, 128, 2, 64, 64
+        sd = jax.ShapeDtypeStruct
+        tok_k, tok_v = sd((B, T, H, K), BF), sd((B, T, H, V), BF)
+        outs = jax.eval_shape(lambda *a: mgpu.intra_fwd(*a, scale=0.1, centre=CENTRE, interpret=True),
+                              tok_k, tok_k, tok_v, sd((B, T, H, K), jnp.float32), sd((B, T, H), BF))
+        assert outs[3].dtype == BF                                                 # u
+        hm_k = sd((B, H, T, K), BF)
+        du = jax.eval_shape(lambda *a: mgpu.state_bwd(*a, interpret=True), hm_k, hm_k, hm_k, sd((B, H, T, 64), BF),
+                            sd((B, H, T // 64, K), jnp.float32), tok_v, sd((B, H, V, K), jnp.float32))[0]
+        assert du.dtype == BF
+
+
 class TestMosaicGPUStages:
     """Mosaic GPU interpret mode on CPU, against the Triton stages (interpret)."""
 
