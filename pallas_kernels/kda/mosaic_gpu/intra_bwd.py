@@ -16,8 +16,8 @@ overflowed the instruction cache), one [C, 64] product at a time, so that one wa
 registers a thread.
 
 I/O: every input but beta and the document masks (direct loads, each before the product it masks)
-arrives by TMA in five phases (one barrier each): 0 the states and dO;
-1 W and U; 2 dU (straight into its operand) and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). SMEM 224 KiB
+arrives by TMA in five phases (one barrier each): 0 the states and dO; 1 W and U; 2 dU (straight
+into its operand) and A; 3 G, q and k; 4 v and M (into the states' SMEM, free by then). SMEM 224 KiB
 at K = V = 128 (one CTA an SM; plgpu.RefUnion shares the staging buffers between phases).
 """
 from __future__ import annotations

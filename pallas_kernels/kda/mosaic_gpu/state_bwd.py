@@ -28,8 +28,8 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, interpret: bool | plgpu.InterpretG
       dht: [B, H, V, K] fp32, the TRANSPOSED final-state gradient, or [B, H, NS, V, K]: the gradient
         at the end of each of NS segments (the sequence split).
       interpret: as state_fwd.
-    Returns: du = dV' [B, H, T, V] bf16 (solve_bwd's operand rounding); dh [B, H, T / 64, V, K] bf16 (the transposed gradient of
-      the state after each chunk); dh0 fp32 of dht's shape.
+    Returns: du = dV' [B, H, T, V] bf16 (solve_bwd's operand rounding); dh [B, H, T / 64, V, K] bf16
+      (the transposed gradient of the state after each chunk); dh0 fp32 of dht's shape.
     Raises: ValueError for T not a multiple of 64, K or V not in HEAD_DIMS, wrong dtypes, NS not
       dividing T / 64, or shapes that do not match.
     """

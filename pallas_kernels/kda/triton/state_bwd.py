@@ -44,9 +44,10 @@ def state_bwd(qg, kd, w, aqk, gl, do, dht, *, state_dtype, chunk_size: int = 64,
     Args: the intra_fwd outputs qg, kd, w [B, H, T, K], aqk [B, H, T, C], gl [B, H, NT, K];
       do [B, T, H, V] (token-major); dht [B, H, V, K] (transposed final-state gradient) or
       [B, H, NS, V, K] (the true gradient at the end of each of NS segments); state_dtype: storage
-      dtype of dh (and the dots' rounding, as state_fwd).
+      dtype of du and dh (and the dots' rounding, as state_fwd).
     Returns: du = dV' [B, H, T, V] and dh [B, H, NT, V, K] (the transposed gradient of the state
-      after each chunk), both in state_dtype (du: the rounding of solve_bwd's operands); dh0 fp32 of dht's rank (per segment: the gradient at its start).
+      after each chunk), both in state_dtype (du: the rounding of solve_bwd's operands); dh0 fp32 of
+      dht's rank (per segment: the gradient at its start).
     """
     B, H, T, K = qg.shape
     V = do.shape[-1]
