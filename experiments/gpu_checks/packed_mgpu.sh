@@ -9,7 +9,7 @@
 #    Log: $OUT_DIR/kda_packed_mgpu_gpu_tests_<h100|h200>.log.
 # 2. (BENCH=1, the default) experiments.gpu_checks.packed_mgpu_bench: fwd + bwd ms of the Mosaic GPU
 #    plan with documents, dense and all-Triton at 32x2048x6x128 (K3-small) and 8x4096x16x128:
-#    $OUT_DIR/kda_packed_ab_<h100|h200>.{json,md} (its 2026-12-03 run: results/kda_packed_h200.json; the
+#    $OUT_DIR/kda_packed_ab_<h100|h200>.{json,md} (its 2026-12-03 H200 run: in git at 4435444; the
 #    table with the peers: bench_kda --docs_per_row, results/kda_packed.md).
 # Env: PY (python3), OUT_DIR ($OUT if set, else experiments/results), BENCH (1), WORKERS (4: pytest-xdist
 # workers when installed), SELECT (the -k expression; FULL=1: every gpu test of tests/pallas_kernels).

@@ -7,8 +7,8 @@ Inputs: harness.make_kda_inputs (bf16, lower_bound -5); documents of random leng
 value-and-grad (all five input gradients).
 
   python -m experiments.gpu_checks.packed_mgpu_bench --out $OUT/kda_packed_ab_h100
-(experiments/results/kda_packed_h200.json is its 2026-12-03 run; the table with the peers is bench_kda
---docs_per_row, experiments/results/kda_packed.md.)
+(its 2026-12-03 H200 run: experiments/results/kda_packed_h200.json in git at 4435444; the table with
+the peers is bench_kda --docs_per_row, experiments/results/kda_packed.md.)
 """
 from __future__ import annotations
 
