@@ -90,8 +90,9 @@ def solve_bwd(q, k, v, G, beta, do, du, h, dh, w, u, A, M, *, scale: float, segm
 
     Args: q, k, G [B, T, H, K], v, do [B, T, H, V], beta [B, T, H] (token-major; G the chunk cumsum
       of g); du [B, H, T, V] (state_bwd's; bf16 for bf16 inputs); h [B, H, NT, V, K] (transposed
-      state entering each chunk), dh (transposed gradient of the state after it); w [B, H, T, K], u [B, H, T, V], A, M
-      [B, H, T, C] fp32 (the forward's); segments: None or rel [B, T] int32 (the forward's).
+      state entering each chunk), dh (transposed gradient of the state after it); the forward's w [B, H, T, K]
+      and u [B, H, T, V] (q's dtype) and A, M [B, H, T, C] fp32; segments: None or rel [B, T] int32 (the
+      forward's).
     Returns: dv [B, T, H, V] (v's dtype), dbeta [B, T, H] fp32 (final, token-major); head-major fp32
       partial dq, dk, dG [B, H, T, K], dG_last [B, H, NT, K], dM, dAqk [B, H, T, C].
     """

@@ -288,8 +288,9 @@ class TestSavedDtypes:
         B, T, H, K, V = 1, 128, 2, 64, 64
         sd = jax.ShapeDtypeStruct
         tok_k, tok_v = sd((B, T, H, K), dtype), sd((B, T, H, V), dtype)
-        outs = jax.eval_shape(lambda *a: triton.intra_fwd(*a, scale=0.1, centre=CENTRE, unbounded=False,
-                                                          interpret=True), tok_k, tok_k, tok_v, sd((B, T, H, K), jnp.float32), sd((B, T, H), dtype))
+        outs = jax.eval_shape(
+            lambda *a: triton.intra_fwd(*a, scale=0.1, centre=CENTRE, unbounded=False, interpret=True),
+            tok_k, tok_k, tok_v, sd((B, T, H, K), jnp.float32), sd((B, T, H), dtype))
         assert outs[3].shape == (B, H, T, V) and outs[3].dtype == dtype            # u
         hm_k = sd((B, H, T, K), dtype)
         du = jax.eval_shape(lambda *a: triton.state_bwd(*a, state_dtype=dtype, interpret=True), hm_k, hm_k, hm_k,
